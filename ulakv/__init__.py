@@ -1,0 +1,29 @@
+"""ulakv: one logical address and one physical home for every KV entry of a sparse-attention LLM."""
+
+from .address_space import Sequence
+from .config import EntrySpec, ExactLRU, PoolConfig, Tiered
+from .errors import (
+    CapacityError,
+    ConfigError,
+    InvalidAddressError,
+    InvalidInputError,
+    InvariantError,
+    UlakvError,
+)
+from .pool import Pool, Selection
+
+__all__ = [
+    "CapacityError",
+    "ConfigError",
+    "EntrySpec",
+    "ExactLRU",
+    "InvalidAddressError",
+    "InvalidInputError",
+    "InvariantError",
+    "Pool",
+    "PoolConfig",
+    "Selection",
+    "Sequence",
+    "Tiered",
+    "UlakvError",
+]

@@ -1,0 +1,147 @@
+"""Declarative pool configuration: frozen dataclasses validated at construction.
+
+A pool is described, not assembled: ``PoolConfig(entry, num_layers, layers_per_group, layout, device)``.
+Every check happens here so that a bad configuration fails before any memory is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConfigError
+
+# Mapping values are int32 and encode a GPU slot as itself and a CPU slot as gpu_slots + slot, so the
+# two tiers together must stay below 2**31 (about 2.1 G slots: far above 141 GB / 656 B ≈ 215 M).
+MAX_SLOTS = 2**31 - 2
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """What one token stores in one layer: an opaque row of ``bytes_per_layer`` bytes.
+
+    656 bytes for GLM-5 / DeepSeek-V3.2 FP8 latent KV (512 fp8 + 4 fp32 scales + 64 bf16 rope),
+    1152 for bf16 576-dim latent KV. Rows move as bytes, so every dtype moves bit-exactly.
+    """
+
+    bytes_per_layer: int
+
+    def __post_init__(self) -> None:
+        _check_int("EntrySpec.bytes_per_layer", self.bytes_per_layer, 1)
+
+
+@dataclass(frozen=True)
+class ExactLRU:
+    """Exact least-recently-used eviction: victims are the slots whose last use is oldest.
+
+    Slots touched in the same round are ordered by their first position in that round's selection.
+    """
+
+    name = "exact_lru"
+
+
+PolicyConfig = ExactLRU
+
+
+@dataclass(frozen=True)
+class Tiered:
+    """Exclusive two-tier layout: every entry lives on the GPU or on the CPU, never both.
+
+    One GPU pool of ``gpu_slots`` is shared by all requests; ``cpu_slots`` of pinned host memory hold
+    the rest. ``cpu_slots=0`` is a GPU-only pool. Admission capacity is ``gpu_slots + cpu_slots``.
+    """
+
+    gpu_slots: int
+    cpu_slots: int = 0
+    policy: PolicyConfig = field(default_factory=ExactLRU)
+
+    def __post_init__(self) -> None:
+        _check_int("Tiered.gpu_slots", self.gpu_slots, 1)
+        _check_int("Tiered.cpu_slots", self.cpu_slots, 0)
+        if self.gpu_slots + self.cpu_slots > MAX_SLOTS:
+            raise ConfigError(
+                f"gpu_slots + cpu_slots = {self.gpu_slots + self.cpu_slots} exceeds {MAX_SLOTS}: "
+                "mapping entries are int32"
+            )
+        if not isinstance(self.policy, ExactLRU):
+            raise ConfigError(
+                f"Tiered.policy must be a policy config such as ExactLRU(), got {self.policy!r}"
+            )
+
+    @property
+    def capacity(self) -> int:
+        """Logical addresses the layout can hold at once (one home each)."""
+        return self.gpu_slots + self.cpu_slots
+
+
+LayoutConfig = Tiered
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """A whole pool: what an entry is, how many layers share a selection, where entries live.
+
+    ``layers_per_group`` consecutive layers share one top-k selection and one residency (GLM-5.3: 4);
+    when it does not divide ``num_layers`` the last group is shorter (GLM-5: 78 = 19 x 4 + 2).
+    ``validate`` decides whether ``prepare``/``write`` read back a status word to raise on bad
+    addresses at once (one device sync); ``None`` means yes on CPU, where reading it costs no sync,
+    and no on CUDA, where errors are recorded on the device and raised by the next synchronising call
+    (``stats``, ``read``, ``check``). ``ULAKV_DEBUG=1`` forces validation and invariant checks.
+    """
+
+    entry: EntrySpec
+    num_layers: int
+    layout: LayoutConfig
+    layers_per_group: int = 1
+    device: str | torch.device = "cpu"
+    validate: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.entry, EntrySpec):
+            raise ConfigError(f"PoolConfig.entry must be an EntrySpec, got {self.entry!r}")
+        _check_int("PoolConfig.num_layers", self.num_layers, 1)
+        _check_int("PoolConfig.layers_per_group", self.layers_per_group, 1)
+        if self.layers_per_group > self.num_layers:
+            raise ConfigError(
+                f"layers_per_group ({self.layers_per_group}) exceeds num_layers ({self.num_layers})"
+            )
+        if not isinstance(self.layout, Tiered):
+            raise ConfigError(
+                f"PoolConfig.layout must be a layout config such as Tiered(...), got {self.layout!r}"
+            )
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"PoolConfig.device {self.device!r} is not a torch device") from exc
+        if device.type not in ("cpu", "cuda", "meta"):
+            raise ConfigError(f"PoolConfig.device must be cpu, cuda or meta, got {device}")
+        if self.validate is not None and not isinstance(self.validate, bool):
+            raise ConfigError(f"PoolConfig.validate must be None or a bool, got {self.validate!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.num_layers // self.layers_per_group)
+
+    def group_layers(self, group: int) -> range:
+        """The layers of ``group`` (the last group may be shorter)."""
+        start = group * self.layers_per_group
+        return range(start, min(start + self.layers_per_group, self.num_layers))
+
+    def group_of(self, layer: int) -> int:
+        return layer // self.layers_per_group
+
+    def replace(self, **changes: object) -> PoolConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,1 @@
+"""Triton kernels, one concern a module, each with a plain reference beside it."""

@@ -1,0 +1,88 @@
+"""Constants shared by the kernels and their references: control words, status bits, element flags.
+
+Control words live in small int64 device tensors so a step never needs the host to know a count:
+``ctl`` (one per pool, call-scoped scratch) and ``gctl`` (one row per layer group, policy state).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import tl
+
+# Elements of a selection are processed in chunks of this many per program: a block size, so one
+# compilation serves every batch size. 1024 int64 addresses keep a program at 8 KiB of loads.
+CHUNK = 1024
+
+# ctl: pool-wide, one call at a time.
+E_EPOCH = tl.constexpr(0)  # increments every call; tags claims and protection marks
+E_STATUS = tl.constexpr(1)  # status bits of the call in flight (OR-ed by programs)
+E_LAST_STATUS = tl.constexpr(2)  # final status of the last call (what validate mode reads)
+E_PENDING = tl.constexpr(3)  # sticky OR of failed calls' status (what deferred mode raises)
+E_KFREE = tl.constexpr(4)  # misses served from free GPU slots this call
+E_VICTIMS = tl.constexpr(5)  # misses that got a GPU slot this call (free or evicted)
+E_PUSH_BASE = tl.constexpr(6)  # where freed CPU slots are pushed on the CPU free stack
+CTL_WORDS = 8
+
+# gctl: one row per layer group.
+G_ROUND = tl.constexpr(0)  # rounds started by prepare
+G_HEAD = tl.constexpr(1)  # LRU queue head (oldest entry), monotonically increasing
+G_TAIL = tl.constexpr(2)  # LRU queue tail
+G_ROUND_TAIL = tl.constexpr(3)  # tail when the current round began: entries past it are protected
+G_GPU_FREE = tl.constexpr(4)  # entries on the GPU free-slot stack
+G_CPU_FREE = tl.constexpr(5)  # entries on the CPU free-slot stack
+GCTL_WORDS = 8
+
+# stats: cumulative counters.
+S_HITS = tl.constexpr(0)
+S_MISSES = tl.constexpr(1)
+S_BYTES_IN = tl.constexpr(2)
+S_BYTES_OUT = tl.constexpr(3)
+S_VICTIMS = tl.constexpr(4)
+S_SCANNED = tl.constexpr(5)  # LRU queue entries examined by victim searches
+STATS_WORDS = 8
+STAT_NAMES = ("hits", "misses", "bytes_in", "bytes_out", "victims", "victim_entries_scanned")
+
+# Status bits of one call.
+ST_BAD_ADDRESS = tl.constexpr(1)
+ST_DUPLICATE = tl.constexpr(2)
+ST_TOO_LARGE = tl.constexpr(4)
+
+# Per-element flags written by the lookup.
+F_FIRST = tl.constexpr(1)  # first occurrence of its address in the call (the one that acts)
+F_GPU = tl.constexpr(2)  # home on the GPU at lookup time
+F_CPU = tl.constexpr(4)  # home on the CPU at lookup time
+F_MOVED = tl.constexpr(8)  # final home comes from this call's plan (a miss, or a new entry)
+F_PAD = tl.constexpr(16)
+F_BAD = tl.constexpr(32)
+
+# Per-chunk counters written by the lookup.
+C_DISTINCT = tl.constexpr(0)
+C_HITS = tl.constexpr(1)
+C_NEED = tl.constexpr(2)  # distinct addresses that need a GPU slot
+C_NEED_CPU = tl.constexpr(3)  # ... of which are on the CPU now (a swap-in)
+C_CPU_FIRST = tl.constexpr(4)  # distinct addresses written in place on the CPU (write mode)
+COUNT_WORDS = 5
+
+# Mapping encoding (see ulakv.address_space).
+M_FREE = tl.constexpr(-1)
+M_UNHOMED = tl.constexpr(-2)
+
+# The claim key packs (epoch, position) so atomic_max keeps the lowest position of the newest
+# epoch; epochs must stay below 2**31 to keep the key positive, after which scratch is reset.
+EPOCH_LIMIT = 2**31 - 1
+POS_MASK = 0xFFFFFFFF
+
+
+def as_words(rows: torch.Tensor) -> torch.Tensor:
+    """View byte rows ``[..., bytes]`` as int32 words when the width allows, else keep bytes.
+
+    Moving 4-byte words quarters the instructions per row (656 B = 164 words); the bits are the same.
+    """
+    if rows.shape[-1] % 4 == 0 and rows.is_contiguous():
+        return rows.view(torch.int32)
+    return rows
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

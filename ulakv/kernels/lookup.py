@@ -1,0 +1,185 @@
+"""Lookup: logical address -> home, with validation, dedup, hit mask and protection, fused.
+
+Two launches over the flattened selection (``CHUNK`` elements a program):
+
+1. ``claim``: validate every address (in range, live) and claim it: ``atomic_max`` of
+   ``(epoch << 32) | ~position`` into a per-address word, so the lowest position of this call wins.
+2. ``classify``: an element is the address's *first* occurrence when its key survived. Firsts
+   count distinct/hit/miss, mark their GPU slot as protected for this call, and list the misses of
+   their chunk in order. Duplicates (speculative query positions, layers' repeats) only read.
+
+Dedup needs every claim to land before any program reads one, and Triton has no grid-wide barrier:
+that is the one reason this is two launches. Nothing here changes pool state (claims and marks are
+epoch-tagged scratch), so a call that fails validation later changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import common as K
+from ._triton import tl, triton
+
+
+@triton.jit
+def claim_kernel(sel_ptr, T, N, map_ptr, claim_ptr, ctl_ptr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    inb = pos < T
+    a = tl.load(sel_ptr + pos, mask=inb, other=-1).to(tl.int64)
+    in_range = (a >= 0) & (a < N)
+    home = tl.load(map_ptr + a, mask=inb & in_range, other=K.M_FREE)
+    ok = inb & in_range & (home != K.M_FREE)
+    bad = inb & (a != -1) & ~ok
+    epoch = tl.load(ctl_ptr + K.E_EPOCH)
+    key = (epoch << 32) | (K.POS_MASK - pos)
+    tl.atomic_max(claim_ptr + a, key, mask=ok)
+    if tl.sum(bad.to(tl.int32), axis=0) > 0:
+        tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_BAD_ADDRESS)
+
+
+@triton.jit
+def classify_kernel(
+    sel_ptr,
+    T,
+    N,
+    G,
+    map_ptr,
+    claim_ptr,
+    mark_ptr,
+    ctl_ptr,
+    home_ptr,
+    flags_ptr,
+    counts_ptr,
+    miss_pos_ptr,
+    miss_rank_ptr,
+    first_pos_ptr,
+    WRITE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    inb = pos < T
+    a = tl.load(sel_ptr + pos, mask=inb, other=-1).to(tl.int64)
+    pad = inb & (a == -1)
+    in_range = (a >= 0) & (a < N)
+    home = tl.load(map_ptr + a, mask=inb & in_range, other=K.M_FREE)
+    ok = inb & in_range & (home != K.M_FREE)
+    epoch = tl.load(ctl_ptr + K.E_EPOCH)
+    key = (epoch << 32) | (K.POS_MASK - pos)
+    claimed = tl.load(claim_ptr + a, mask=ok, other=0)
+    first = ok & (claimed == key)
+    tl.store(first_pos_ptr + pos, (K.POS_MASK - (claimed & K.POS_MASK)).to(tl.int32), mask=ok)
+    on_gpu = ok & (home >= 0) & (home < G)
+    on_cpu = ok & (home >= G)
+    if WRITE:
+        # A write keeps CPU-resident entries where they are; only entries without a home need one.
+        moved = ok & (home == K.M_UNHOMED)
+        if tl.sum((ok & ~first).to(tl.int32), axis=0) > 0:
+            tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_DUPLICATE)
+    else:
+        moved = ok & ~on_gpu
+    need = first & moved
+    hit = first & on_gpu
+    tl.store(mark_ptr + home, epoch, mask=hit)
+    flags = (
+        first.to(tl.int8) * K.F_FIRST
+        + on_gpu.to(tl.int8) * K.F_GPU
+        + on_cpu.to(tl.int8) * K.F_CPU
+        + moved.to(tl.int8) * K.F_MOVED
+        + pad.to(tl.int8) * K.F_PAD
+        + (inb & ~pad & ~ok).to(tl.int8) * K.F_BAD
+    )
+    tl.store(home_ptr + pos, home, mask=inb)
+    tl.store(flags_ptr + pos, flags, mask=inb)
+    rank = tl.cumsum(need.to(tl.int32), axis=0) - 1
+    tl.store(miss_pos_ptr + pid.to(tl.int64) * CHUNK + rank, pos.to(tl.int32), mask=need)
+    tl.store(miss_rank_ptr + pos, rank, mask=need)
+    row = counts_ptr + pid * K.COUNT_WORDS
+    tl.store(row + K.C_DISTINCT, tl.sum(first.to(tl.int32), axis=0))
+    tl.store(row + K.C_HITS, tl.sum(hit.to(tl.int32), axis=0))
+    tl.store(row + K.C_NEED, tl.sum(need.to(tl.int32), axis=0))
+    tl.store(row + K.C_NEED_CPU, tl.sum((need & on_cpu).to(tl.int32), axis=0))
+    tl.store(row + K.C_CPU_FIRST, tl.sum((first & on_cpu).to(tl.int32), axis=0))
+
+
+def lookup(sel, mapping, claim, mark, ctl, scratch, gpu_slots: int, write: bool) -> int:
+    """Launch claim + classify over the flat selection ``sel``; returns the number of launches."""
+    T = sel.numel()
+    grid = (triton.cdiv(T, K.CHUNK),)
+    N = mapping.numel()
+    claim_kernel[grid](sel, T, N, mapping, claim, ctl, CHUNK=K.CHUNK)
+    classify_kernel[grid](
+        sel,
+        T,
+        N,
+        gpu_slots,
+        mapping,
+        claim,
+        mark,
+        ctl,
+        scratch.home,
+        scratch.flags,
+        scratch.counts,
+        scratch.miss_pos,
+        scratch.miss_rank,
+        scratch.first_pos,
+        WRITE=write,
+        CHUNK=K.CHUNK,
+    )
+    return 2
+
+
+def lookup_reference(sel, mapping, claim, mark, ctl, scratch, gpu_slots: int, write: bool) -> None:
+    """Plain-Python twin of :func:`lookup`: same inputs, same outputs, element by element."""
+    T, N, G, C = sel.numel(), mapping.numel(), gpu_slots, K.CHUNK
+    epoch = int(ctl[int(K.E_EPOCH)])
+    addrs = sel.tolist()
+    homes = mapping.tolist()
+    status = 0
+    first_pos: dict[int, int] = {}
+    for pos, a in enumerate(addrs):
+        if a == -1:
+            continue
+        if not (0 <= a < N) or homes[a] == int(K.M_FREE):
+            status |= int(K.ST_BAD_ADDRESS)
+            continue
+        first_pos.setdefault(a, pos)
+        claim[a] = max(int(claim[a]), (epoch << 32) | (K.POS_MASK - pos))
+    for chunk in range(-(-T // C)):
+        counts = [0] * K.COUNT_WORDS
+        for pos in range(chunk * C, min(T, (chunk + 1) * C)):
+            a = addrs[pos]
+            ok = a != -1 and 0 <= a < N and homes[a] != int(K.M_FREE)
+            home = homes[a] if 0 <= a < N else int(K.M_FREE)
+            first = ok and first_pos[a] == pos
+            on_gpu = ok and 0 <= home < G
+            on_cpu = ok and home >= G
+            moved = ok and (home == int(K.M_UNHOMED) if write else not on_gpu)
+            if write and ok and not first:
+                status |= int(K.ST_DUPLICATE)
+            need = first and moved
+            if first and on_gpu:
+                mark[home] = epoch
+            flags = (
+                int(first) * int(K.F_FIRST)
+                + int(on_gpu) * int(K.F_GPU)
+                + int(on_cpu) * int(K.F_CPU)
+                + int(moved) * int(K.F_MOVED)
+                + int(a == -1) * int(K.F_PAD)
+                + int(a != -1 and not ok) * int(K.F_BAD)
+            )
+            scratch.home[pos] = home
+            if ok:
+                scratch.first_pos[pos] = first_pos[a]
+            scratch.flags[pos] = flags
+            if need:
+                scratch.miss_pos[chunk * C + counts[int(K.C_NEED)]] = pos
+                scratch.miss_rank[pos] = counts[int(K.C_NEED)]
+            counts[int(K.C_DISTINCT)] += first
+            counts[int(K.C_HITS)] += first and on_gpu
+            counts[int(K.C_NEED)] += need
+            counts[int(K.C_NEED_CPU)] += need and on_cpu
+            counts[int(K.C_CPU_FIRST)] += first and on_cpu
+        scratch.counts[chunk] = torch.tensor(counts, dtype=scratch.counts.dtype)
+    ctl[int(K.E_STATUS)] |= status

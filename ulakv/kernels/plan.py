@@ -1,0 +1,233 @@
+"""Plan: decide, on the device, where every miss goes and what leaves the GPU for it.
+
+One program (the work is O(misses + queue entries skipped + chunks), never O(pool)):
+
+1. Totals from the lookup's per-chunk counts; a prepare with more distinct addresses than GPU slots
+   fails here, before anything changed.
+2. Victims: free GPU slots first (a stack), then the exact-LRU queue from its head. The queue holds
+   ``(slot, version)`` pairs in recency order; touching a slot bumps its version and appends it, so
+   older pairs of that slot turn stale and are skipped (lazy deletion). Slots protected in this call
+   (hits) are skipped; entries appended in the current round lie past ``round_tail`` and are never
+   reached. When stale pairs would overflow the ring it is compacted in place (amortised O(1) a touch).
+3. Offsets per chunk so the apply kernel can work in parallel without atomics and still
+   deterministically: where each chunk's misses start in the victim list, where its touches are
+   appended to the queue, and its ranks on the CPU free-slot stack (pops for evicted entries that
+   need a CPU home, pushes for CPU slots freed when a miss took a free GPU slot).
+4. Counters, round and epoch bookkeeping; the call's status is published for the host and apply.
+"""
+
+from __future__ import annotations
+
+from . import common as K
+from ._triton import tl, triton
+
+BLOCK = 1024
+
+
+@triton.jit
+def _count_total(counts_ptr, P, which, BLOCK: tl.constexpr):
+    total = tl.zeros((), dtype=tl.int64)
+    for c0 in range(0, P, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        total += tl.sum(tl.load(counts_ptr + c * K.COUNT_WORDS + which, mask=c < P, other=0), axis=0)
+    return total
+
+
+@triton.jit
+def plan_kernel(
+    home_ptr,
+    counts_ptr,
+    miss_pos_ptr,
+    P,
+    G,
+    N,
+    ctl_ptr,
+    gctl_ptr,
+    stats_ptr,
+    ver_ptr,
+    q_slot_ptr,
+    q_ver_ptr,
+    Qcap,
+    mark_ptr,
+    claim_ptr,
+    gpu_free_ptr,
+    cpu_free_ptr,
+    victims_ptr,
+    popped_ptr,
+    chunk_off_ptr,
+    group_row_bytes,
+    layer_row_bytes,
+    WRITE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    ar = tl.arange(0, BLOCK)
+    status = tl.load(ctl_ptr + K.E_STATUS)
+    epoch = tl.load(ctl_ptr + K.E_EPOCH)
+    D = _count_total(counts_ptr, P, K.C_DISTINCT, BLOCK)
+    H = _count_total(counts_ptr, P, K.C_HITS, BLOCK)
+    M = _count_total(counts_ptr, P, K.C_NEED, BLOCK)
+    MC = _count_total(counts_ptr, P, K.C_NEED_CPU, BLOCK)
+    CF = _count_total(counts_ptr, P, K.C_CPU_FIRST, BLOCK)
+    if not WRITE:
+        if D > G:
+            status = status | K.ST_TOO_LARGE
+    if status == 0:
+        head = tl.load(gctl_ptr + K.G_HEAD)
+        tail = tl.load(gctl_ptr + K.G_TAIL)
+        round_tail = tl.load(gctl_ptr + K.G_ROUND_TAIL)
+        if not WRITE:
+            # A new round: everything appended so far is older than this round's touches.
+            round_tail = tail
+            tl.store(gctl_ptr + K.G_ROUND, tl.load(gctl_ptr + K.G_ROUND) + 1)
+
+        # -- victims: free GPU slots first -------------------------------------------------------
+        n_free = tl.load(gctl_ptr + K.G_GPU_FREE)
+        k_free = tl.minimum(M, n_free)
+        for j0 in range(0, k_free, BLOCK):
+            j = j0 + ar
+            jm = j < k_free
+            slot = tl.load(gpu_free_ptr + (n_free - 1 - j), mask=jm, other=0)
+            tl.store(victims_ptr + j, slot, mask=jm)
+        n_free = n_free - k_free
+
+        # -- then the oldest unprotected entries of the LRU queue --------------------------------
+        want = M - k_free
+        got = tl.zeros((), dtype=tl.int64)
+        scanned = tl.zeros((), dtype=tl.int64)
+        while (got < want) & (head < round_tail):
+            qi = head + ar
+            qm = qi < round_tail
+            s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
+            qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
+            live = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
+            take = live & (tl.load(mark_ptr + s, mask=qm, other=0) != epoch)
+            rank = tl.cumsum(take.to(tl.int64), axis=0)
+            take = take & (rank <= want - got)
+            tl.store(victims_ptr + k_free + got + rank - 1, s, mask=take)
+            n_take = tl.sum(take.to(tl.int64), axis=0)
+            last = tl.max(tl.where(take, qi, -1), axis=0)
+            done = got + n_take >= want
+            new_head = tl.where(done, last + 1, tl.minimum(head + BLOCK, round_tail))
+            scanned += new_head - head
+            head = new_head
+            got += n_take
+        V = k_free + got
+
+        # -- make room for this call's appends: compact stale pairs out of the ring --------------
+        appends = H + V
+        if tail + appends - head > Qcap:
+            w = head
+            new_round_tail = head
+            r = head
+            while r < tail:
+                qi = r + ar
+                qm = qi < tail
+                s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
+                qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
+                keep = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
+                dst = (w + tl.cumsum(keep.to(tl.int64), axis=0) - 1) % Qcap
+                tl.debug_barrier()  # every lane has read its pair before any lane overwrites one
+                tl.store(q_slot_ptr + dst, s, mask=keep)
+                tl.store(q_ver_ptr + dst, qv, mask=keep)
+                new_round_tail += tl.sum((keep & (qi < round_tail)).to(tl.int64), axis=0)
+                w += tl.sum(keep.to(tl.int64), axis=0)
+                r += BLOCK
+            tail = w
+            round_tail = new_round_tail
+
+        # -- per-chunk offsets: victim list, queue appends, CPU stack pops and pushes -------------
+        m_run = tl.zeros((), dtype=tl.int64)
+        q_run = tail
+        pop_run = tl.zeros((), dtype=tl.int64)
+        push_run = tl.zeros((), dtype=tl.int64)
+        for c0 in range(0, P, BLOCK):
+            c = c0 + ar
+            cm = c < P
+            need = tl.load(counts_ptr + c * K.COUNT_WORDS + K.C_NEED, mask=cm, other=0).to(tl.int64)
+            need_cpu = tl.load(counts_ptr + c * K.COUNT_WORDS + K.C_NEED_CPU, mask=cm, other=0)
+            need_cpu = need_cpu.to(tl.int64)
+            hits = tl.load(counts_ptr + c * K.COUNT_WORDS + K.C_HITS, mask=cm, other=0).to(tl.int64)
+            m_off = m_run + tl.cumsum(need, axis=0) - need
+            with_victim = tl.minimum(tl.maximum(V - m_off, 0), need)
+            appended = hits + with_victim
+            q_off = q_run + tl.cumsum(appended, axis=0) - appended
+            # Misses with index < k_free took a free GPU slot: a CPU source slot is freed (push).
+            # Misses with index >= k_free that have no CPU home (new entries) need one CPU slot,
+            # for the entry they evict or, in a write that found no victim, for themselves (pop).
+            before = tl.minimum(tl.maximum(k_free - m_off, 0), need)
+            pops = tl.where(before == 0, need - need_cpu, 0)
+            pushes = tl.where(before == need, need_cpu, 0)
+            straddle = cm & (before > 0) & (before < need)
+            if tl.sum(straddle.to(tl.int32), axis=0) > 0:
+                sc = tl.max(tl.where(straddle, c, -1), axis=0)
+                split = tl.max(tl.where(straddle, before, -1), axis=0)
+                n_sc = tl.max(tl.where(straddle, need, -1), axis=0)
+                rr = tl.arange(0, CHUNK)
+                p = tl.load(miss_pos_ptr + sc * CHUNK + rr, mask=rr < n_sc, other=0)
+                on_cpu = (rr < n_sc) & (tl.load(home_ptr + p, mask=rr < n_sc, other=0) >= G)
+                sc_pops = tl.sum(((rr >= split) & (rr < n_sc) & ~on_cpu).to(tl.int64), axis=0)
+                sc_pushes = tl.sum(((rr < split) & on_cpu).to(tl.int64), axis=0)
+                pops = tl.where(straddle, sc_pops, pops)
+                pushes = tl.where(straddle, sc_pushes, pushes)
+            pop_off = pop_run + tl.cumsum(pops, axis=0) - pops
+            push_off = push_run + tl.cumsum(pushes, axis=0) - pushes
+            row = chunk_off_ptr + c * 4
+            tl.store(row + 0, m_off, mask=cm)
+            tl.store(row + 1, q_off, mask=cm)
+            tl.store(row + 2, pop_off, mask=cm)
+            tl.store(row + 3, push_off, mask=cm)
+            m_run += tl.sum(need, axis=0)
+            q_run += tl.sum(appended, axis=0)
+            pop_run += tl.sum(pops, axis=0)
+            push_run += tl.sum(pushes, axis=0)
+
+        # -- CPU free-slot stack: hand the pops to apply through scratch, so apply's pushes can
+        # reuse the popped region without racing its readers.
+        top = tl.load(gctl_ptr + K.G_CPU_FREE)
+        for r0 in range(0, pop_run, BLOCK):
+            rr = r0 + ar
+            rm = rr < pop_run
+            tl.store(popped_ptr + rr, tl.load(cpu_free_ptr + (top - 1 - rr), mask=rm, other=0), mask=rm)
+
+        tl.store(gctl_ptr + K.G_HEAD, head)
+        tl.store(gctl_ptr + K.G_TAIL, q_run)
+        tl.store(gctl_ptr + K.G_ROUND_TAIL, round_tail)
+        tl.store(gctl_ptr + K.G_GPU_FREE, n_free)
+        tl.store(gctl_ptr + K.G_CPU_FREE, top - pop_run + push_run)
+        tl.store(ctl_ptr + K.E_KFREE, k_free)
+        tl.store(ctl_ptr + K.E_VICTIMS, V)
+        tl.store(ctl_ptr + K.E_PUSH_BASE, top - pop_run)
+
+        evicted = V - k_free
+        if WRITE:
+            cpu_rows = CF + (M - V)  # written in place on the CPU, or new entries homed there
+            tl.store(
+                stats_ptr + K.S_BYTES_OUT,
+                tl.load(stats_ptr + K.S_BYTES_OUT) + evicted * group_row_bytes + cpu_rows * layer_row_bytes,
+            )
+        else:
+            tl.store(stats_ptr + K.S_HITS, tl.load(stats_ptr + K.S_HITS) + H)
+            tl.store(stats_ptr + K.S_MISSES, tl.load(stats_ptr + K.S_MISSES) + M)
+            tl.store(stats_ptr + K.S_BYTES_IN, tl.load(stats_ptr + K.S_BYTES_IN) + MC * group_row_bytes)
+            tl.store(
+                stats_ptr + K.S_BYTES_OUT,
+                tl.load(stats_ptr + K.S_BYTES_OUT) + evicted * group_row_bytes,
+            )
+        tl.store(stats_ptr + K.S_VICTIMS, tl.load(stats_ptr + K.S_VICTIMS) + evicted)
+        tl.store(stats_ptr + K.S_SCANNED, tl.load(stats_ptr + K.S_SCANNED) + scanned)
+
+    # -- always: publish the status, clear the accumulator, advance the epoch ---------------------
+    tl.store(ctl_ptr + K.E_LAST_STATUS, status)
+    tl.store(ctl_ptr + K.E_STATUS, 0)
+    tl.store(ctl_ptr + K.E_PENDING, tl.load(ctl_ptr + K.E_PENDING) | status)
+    if epoch + 1 >= K.EPOCH_LIMIT:
+        # Claim keys are (epoch << 32 | ~pos): before the epoch would overflow them, clear the
+        # scratch that epochs tag and restart. Once in 2**31 calls; O(addresses + slots).
+        for i0 in range(0, N, BLOCK):
+            tl.store(claim_ptr + i0 + ar, tl.zeros((BLOCK,), tl.int64), mask=i0 + ar < N)
+        for i0 in range(0, G, BLOCK):
+            tl.store(mark_ptr + i0 + ar, tl.zeros((BLOCK,), tl.int64), mask=i0 + ar < G)
+        tl.store(ctl_ptr + K.E_EPOCH, 1)
+    else:
+        tl.store(ctl_ptr + K.E_EPOCH, epoch + 1)

@@ -1,0 +1,97 @@
+"""Release: return a request's addresses and slots, in every layer group, in one launch.
+
+One program walks the addresses in blocks; freed GPU slots get a new version (their LRU pairs turn
+stale) and go on the GPU free stack, freed CPU slots on the CPU free stack, in address order, so the
+result is deterministic. Not on the decode critical path: a request leaves once.
+"""
+
+from __future__ import annotations
+
+from . import common as K
+from ._triton import tl, triton
+
+BLOCK = 1024
+
+
+@triton.jit
+def release_kernel(
+    addr_ptr,
+    n,
+    map_ptr,
+    N,
+    owner_ptr,
+    ver_ptr,
+    gpu_free_ptr,
+    cpu_free_ptr,
+    gctl_ptr,
+    G,
+    C,
+    num_groups,
+    BLOCK: tl.constexpr,
+):
+    ar = tl.arange(0, BLOCK)
+    for g in range(num_groups):
+        row = gctl_ptr + g * K.GCTL_WORDS
+        gpu_top = tl.load(row + K.G_GPU_FREE)
+        cpu_top = tl.load(row + K.G_CPU_FREE)
+        for i0 in range(0, n, BLOCK):
+            im = i0 + ar < n
+            a = tl.load(addr_ptr + i0 + ar, mask=im, other=0).to(tl.int64)
+            h = tl.load(map_ptr + g * N + a, mask=im, other=K.M_UNHOMED)
+            on_gpu = im & (h >= 0) & (h < G)
+            on_cpu = im & (h >= G)
+            g_rank = gpu_top + tl.cumsum(on_gpu.to(tl.int64), axis=0) - 1
+            c_rank = cpu_top + tl.cumsum(on_cpu.to(tl.int64), axis=0) - 1
+            tl.store(gpu_free_ptr + g * G + g_rank, h, mask=on_gpu)
+            tl.store(cpu_free_ptr + g * C + c_rank, h - G, mask=on_cpu)
+            slot = g * G + h
+            tl.store(owner_ptr + slot, tl.full((BLOCK,), -1, tl.int32), mask=on_gpu)
+            tl.store(ver_ptr + slot, tl.load(ver_ptr + slot, mask=on_gpu, other=0) + 1, mask=on_gpu)
+            tl.store(map_ptr + g * N + a, tl.full((BLOCK,), -1, tl.int32), mask=im)
+            gpu_top += tl.sum(on_gpu.to(tl.int64), axis=0)
+            cpu_top += tl.sum(on_cpu.to(tl.int64), axis=0)
+        tl.store(row + K.G_GPU_FREE, gpu_top)
+        tl.store(row + K.G_CPU_FREE, cpu_top)
+
+
+def release(addrs, state) -> int:
+    """Free ``addrs`` in every group of ``state`` (a ``TieredState``); returns launches."""
+    n = addrs.numel()
+    if n == 0:
+        return 0
+    release_kernel[(1,)](
+        addrs,
+        n,
+        state.mapping,
+        state.num_addresses,
+        state.owner,
+        state.ver,
+        state.gpu_free,
+        state.cpu_free,
+        state.gctl,
+        state.gpu_slots,
+        state.cpu_stack_size,
+        state.num_groups,
+        BLOCK=BLOCK,
+    )
+    return 1
+
+
+def release_reference(addrs, state) -> None:
+    G = state.gpu_slots
+    for g in range(state.num_groups):
+        gpu_top = int(state.gctl[g, int(K.G_GPU_FREE)])
+        cpu_top = int(state.gctl[g, int(K.G_CPU_FREE)])
+        for a in addrs.tolist():
+            h = int(state.mapping[g, a])
+            if 0 <= h < G:
+                state.gpu_free[g, gpu_top] = h
+                gpu_top += 1
+                state.owner[g, h] = -1
+                state.ver[g, h] += 1
+            elif h >= G:
+                state.cpu_free[g, cpu_top] = h - G
+                cpu_top += 1
+            state.mapping[g, a] = -1
+        state.gctl[g, int(K.G_GPU_FREE)] = gpu_top
+        state.gctl[g, int(K.G_CPU_FREE)] = cpu_top

@@ -1,0 +1,277 @@
+"""The exclusive tiered layout: every entry on the GPU or on the CPU, never both.
+
+``TieredState`` holds every device tensor of a tiered pool; ``TieredLayout`` runs the kernels of one
+``prepare`` or ``write`` in order (lookup, plan, apply: four launches) and of ``release`` and
+``read``. Nothing here reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..config import PoolConfig
+from ..kernels import apply as apply_mod
+from ..kernels import common as K
+from ..kernels import gather as gather_mod
+from ..kernels import lookup as lookup_mod
+from ..kernels import plan as plan_mod
+from ..kernels import release as release_mod
+from ..kernels._triton import triton
+
+
+def _fill_stack(stack: torch.Tensor, count: int) -> None:
+    """Free-slot stack whose top (highest index) is slot 0, so a fresh pool hands out 0, 1, 2..."""
+    stack.zero_()
+    if count:
+        stack[:, :count] = torch.arange(count - 1, -1, -1, dtype=stack.dtype, device=stack.device)
+
+
+@dataclass(eq=False)
+class TieredState:
+    """All device state of a tiered pool. Row ``g`` of each ``[groups, ...]`` tensor is group ``g``."""
+
+    mapping: torch.Tensor  # int32 [groups, addresses]: see ulakv.address_space
+    owner: torch.Tensor  # int32 [groups, G]: address homed in each GPU slot, -1 if free
+    ver: torch.Tensor  # int32 [groups, G]: bumped on every touch; stale LRU pairs differ
+    q_slot: torch.Tensor  # int32 [groups, 2G]: LRU ring, oldest at gctl[G_HEAD]
+    q_ver: torch.Tensor  # int32 [groups, 2G]
+    gpu_free: torch.Tensor  # int32 [groups, G]: stack of free GPU slots
+    cpu_free: torch.Tensor  # int32 [groups, max(C, 1)]: stack of free CPU slots
+    gctl: torch.Tensor  # int64 [groups, GCTL_WORDS]
+    ctl: torch.Tensor  # int64 [CTL_WORDS]: call-scoped scratch and the pending error
+    stats: torch.Tensor  # int64 [STATS_WORDS]: cumulative counters
+    claim: torch.Tensor  # int64 [addresses]: dedup scratch, tagged by epoch
+    mark: torch.Tensor  # int64 [G]: protection scratch, tagged by epoch
+    gpu_data: torch.Tensor  # uint8 [layers, G + 1, bytes]; row G is the dummy slot
+    cpu_data: torch.Tensor  # uint8 [layers, C + 1, bytes]; pinned host memory beside a GPU
+
+    # State that says where entries live and what the policy knows: what a failed call must not
+    # change, and what a pool with no requests resets to.
+    RESIDENCY = ("mapping", "owner", "ver", "q_slot", "q_ver", "gpu_free", "cpu_free", "gctl")
+
+    @classmethod
+    def allocate(cls, config: PoolConfig) -> TieredState:
+        layout, device = config.layout, config.torch_device
+        G, C, groups = layout.gpu_slots, layout.cpu_slots, config.num_groups
+        N, B, L = layout.capacity, config.entry.bytes_per_layer, config.num_layers
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        state = cls(
+            mapping=torch.empty((groups, N), **i32),
+            owner=torch.empty((groups, G), **i32),
+            ver=torch.empty((groups, G), **i32),
+            q_slot=torch.empty((groups, 2 * G), **i32),
+            q_ver=torch.empty((groups, 2 * G), **i32),
+            gpu_free=torch.empty((groups, G), **i32),
+            cpu_free=torch.empty((groups, max(C, 1)), **i32),
+            gctl=torch.empty((groups, K.GCTL_WORDS), **i64),
+            ctl=torch.zeros(K.CTL_WORDS, **i64),
+            stats=torch.zeros(K.STATS_WORDS, **i64),
+            claim=torch.zeros(N, **i64),
+            mark=torch.zeros(G, **i64),
+            gpu_data=torch.zeros((L, G + 1, B), dtype=torch.uint8, device=device),
+            cpu_data=torch.zeros((L, C + 1, B), dtype=torch.uint8, pin_memory=pin)
+            if device.type != "meta"
+            else torch.empty((L, C + 1, B), dtype=torch.uint8, device=device),
+        )
+        state.ctl[int(K.E_EPOCH)] = 1
+        state.mapping.fill_(-1)
+        state.reset_residency()
+        return state
+
+    def reset_residency(self) -> None:
+        """Every slot free, the LRU queue empty: what a fresh pool has (mapping is left alone)."""
+        self.owner.fill_(-1)
+        self.ver.zero_()
+        self.q_slot.zero_()
+        self.q_ver.zero_()
+        _fill_stack(self.gpu_free, self.gpu_slots)
+        _fill_stack(self.cpu_free, self.cpu_slots)
+        self.gctl.zero_()
+        self.gctl[:, int(K.G_GPU_FREE)] = self.gpu_slots
+        self.gctl[:, int(K.G_CPU_FREE)] = self.cpu_slots
+
+    @property
+    def gpu_slots(self) -> int:
+        return self.owner.shape[1]
+
+    @property
+    def cpu_slots(self) -> int:
+        return self.cpu_data.shape[1] - 1
+
+    @property
+    def cpu_stack_size(self) -> int:
+        return self.cpu_free.shape[1]
+
+    @property
+    def num_groups(self) -> int:
+        return self.mapping.shape[0]
+
+    @property
+    def num_addresses(self) -> int:
+        return self.mapping.shape[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def clone(self) -> TieredState:
+        return TieredState(**{k: v.clone() for k, v in self.tensors().items()})
+
+
+@dataclass(eq=False)
+class CallScratch:
+    """Per-call scratch, sized for up to ``capacity`` selection elements (grown, never shrunk)."""
+
+    home: torch.Tensor  # int32 [cap]: mapping value at lookup
+    flags: torch.Tensor  # int8 [cap]: F_* bits
+    first_pos: torch.Tensor  # int32 [cap]: position of the address's first occurrence
+    miss_rank: torch.Tensor  # int32 [cap]: rank of a miss within its chunk
+    miss_pos: torch.Tensor  # int32 [chunks * CHUNK]: each chunk's misses, in order
+    counts: torch.Tensor  # int32 [chunks, COUNT_WORDS]
+    chunk_off: torch.Tensor  # int64 [chunks, 4]: miss, queue, CPU-pop, CPU-push offsets
+    victims: torch.Tensor  # int32 [cap]: GPU slot of each miss, in miss order
+    popped: torch.Tensor  # int32 [cap]: CPU slots popped for this call
+
+    @classmethod
+    def allocate(cls, capacity: int, device: torch.device) -> CallScratch:
+        chunks = triton.cdiv(capacity, K.CHUNK)
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            home=torch.empty(capacity, **i32),
+            flags=torch.empty(capacity, dtype=torch.int8, device=device),
+            first_pos=torch.empty(capacity, **i32),
+            miss_rank=torch.empty(capacity, **i32),
+            miss_pos=torch.empty(chunks * K.CHUNK, **i32),
+            counts=torch.empty((chunks, K.COUNT_WORDS), **i32),
+            chunk_off=torch.empty((chunks, 4), dtype=torch.int64, device=device),
+            victims=torch.empty(capacity, **i32),
+            popped=torch.empty(capacity, **i32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.home.numel()
+
+
+class TieredLayout:
+    """Runs the kernels of a tiered pool over a ``TieredState``."""
+
+    def __init__(self, config: PoolConfig, state: TieredState) -> None:
+        self.config = config
+        self.state = state
+        self._scratch: CallScratch | None = None
+        self._dummy_rows = torch.zeros((1, 1), dtype=torch.int32, device=config.torch_device)
+        self._dummy_slots = torch.zeros(1, dtype=torch.int32, device=config.torch_device)
+
+    def scratch(self, elements: int) -> CallScratch:
+        # Grow to a power of two so a serving loop allocates a handful of times, then never.
+        if self._scratch is None or self._scratch.capacity < elements:
+            capacity = max(K.CHUNK, K.next_pow2(elements))
+            self._scratch = CallScratch.allocate(capacity, self.config.torch_device)
+        return self._scratch
+
+    def _words(self, layers: torch.Tensor) -> torch.Tensor:
+        return K.as_words(layers)
+
+    def run(
+        self, group: int, flat: torch.Tensor, *, rows=None, layer: int = 0
+    ) -> tuple[torch.Tensor | None, int]:
+        """One prepare (``rows is None``) or write of the flat address tensor ``flat``.
+
+        Returns the slots (prepare) and the number of launches.
+        """
+        st, cfg = self.state, self.config
+        write = rows is not None
+        T = flat.numel()
+        scratch = self.scratch(T)
+        G = st.gpu_slots
+        g = group
+        launches = lookup_mod.lookup(flat, st.mapping[g], st.claim, st.mark, st.ctl, scratch, G, write)
+        layers = cfg.group_layers(g)
+        bytes_per_layer = cfg.entry.bytes_per_layer
+        chunks = triton.cdiv(T, K.CHUNK)
+        plan_mod.plan_kernel[(1,)](
+            scratch.home,
+            scratch.counts,
+            scratch.miss_pos,
+            chunks,
+            G,
+            st.num_addresses,
+            st.ctl,
+            st.gctl[g],
+            st.stats,
+            st.ver[g],
+            st.q_slot[g],
+            st.q_ver[g],
+            st.q_slot.shape[1],
+            st.mark,
+            st.claim,
+            st.gpu_free[g],
+            st.cpu_free[g],
+            scratch.victims,
+            scratch.popped,
+            scratch.chunk_off,
+            len(layers) * bytes_per_layer,
+            bytes_per_layer,
+            WRITE=write,
+            CHUNK=K.CHUNK,
+            BLOCK=plan_mod.BLOCK,
+        )
+        gpu = self._words(st.gpu_data[layers.start : layers.stop])
+        cpu = self._words(st.cpu_data[layers.start : layers.stop])
+        W = gpu.shape[-1]
+        slots = None if write else torch.empty(T, dtype=torch.int32, device=flat.device)
+        apply_mod.apply_kernel[(chunks,)](
+            flat,
+            T,
+            G,
+            scratch.home,
+            scratch.flags,
+            scratch.counts,
+            scratch.miss_pos,
+            scratch.miss_rank,
+            scratch.first_pos,
+            st.ctl,
+            st.mapping[g],
+            st.owner[g],
+            st.ver[g],
+            st.q_slot[g],
+            st.q_ver[g],
+            st.q_slot.shape[1],
+            st.cpu_free[g],
+            scratch.victims,
+            scratch.popped,
+            scratch.chunk_off,
+            gpu,
+            cpu,
+            len(layers),
+            gpu.stride(0),
+            cpu.stride(0),
+            W,
+            self._words(rows) if write else self._dummy_rows,
+            layer - layers.start,
+            self._dummy_slots if write else slots,
+            WRITE=write,
+            CHUNK=K.CHUNK,
+            ROWS=apply_mod.ROWS,
+            WORDS=K.next_pow2(W),
+        )
+        return slots, launches + 2
+
+    def release(self, addrs: torch.Tensor) -> int:
+        return release_mod.release(addrs, self.state)
+
+    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
+        st = self.state
+        g = self.config.group_of(layer)
+        words = gather_mod.gather(
+            addrs,
+            st.mapping[g],
+            st.gpu_slots,
+            self._words(st.gpu_data[layer]),
+            self._words(st.cpu_data[layer]),
+        )
+        return words.view(torch.uint8).reshape(addrs.numel(), self.config.entry.bytes_per_layer)

@@ -1,0 +1,300 @@
+"""The pool: the one object an engine talks to. It validates, keeps the books, and delegates.
+
+Everything an engine calls per step (``prepare``, ``write``) runs without a host synchronisation
+unless validation is on (see ``PoolConfig.validate``); admission and release are host bookkeeping
+plus one kernel. Device state lives in the layout (``TieredState``); this module holds no kernel code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .address_space import UNHOMED, LogicalAllocator, Sequence
+from .config import PoolConfig
+from .errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
+from .invariants import check_invariants
+from .kernels import common as K
+from .layouts.tiered import TieredLayout, TieredState
+
+_pool_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What ``prepare`` returns: GPU slots in the selection's shape (-1 where padding)."""
+
+    group: int
+    slots: torch.Tensor
+
+
+def _debug_enabled() -> bool:
+    return os.environ.get("ULAKV_DEBUG", "0") not in ("", "0")
+
+
+def _same_device(t: torch.Tensor, device: torch.device) -> bool:
+    if t.device.type != device.type:
+        return False
+    return device.index is None or t.device.index == device.index
+
+
+class Pool:
+    """A KV-cache pool built from a :class:`PoolConfig` (see DESIGN section 6 for the contract)."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        if not isinstance(config, PoolConfig):
+            raise InvalidInputError(f"Pool needs a PoolConfig, got {type(config).__name__}")
+        self.config = config
+        self.device = config.torch_device
+        self._id = next(_pool_ids)
+        self._seq_ids = itertools.count()
+        self._debug = _debug_enabled()
+        if config.validate is not None and not self._debug:
+            self._validate = config.validate
+        else:
+            self._validate = self._debug or self.device.type == "cpu"
+        self._state = TieredState.allocate(config)
+        self._layout = TieredLayout(config, self._state)
+        self._allocator = LogicalAllocator(config.layout.capacity)
+        self._launches = 0
+
+    # -- shape of the pool ---------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Logical addresses (tokens) the pool can hold at once: GPU slots + CPU slots."""
+        return self._allocator.capacity
+
+    @property
+    def free_addresses(self) -> int:
+        return self._allocator.free
+
+    @property
+    def num_groups(self) -> int:
+        return self.config.num_groups
+
+    def group_layers(self, group: int) -> range:
+        self._check_group(group)
+        return self.config.group_layers(group)
+
+    def gpu_buffer(self, layer: int) -> torch.Tensor:
+        """uint8 ``[gpu_slots + 1, bytes_per_layer]``: the rows ``prepare``'s slots index (row
+        ``gpu_slots`` is a dummy that absorbs padding writes)."""
+        self._check_layer(layer)
+        return self._state.gpu_data[layer]
+
+    # -- admission -------------------------------------------------------------------------------
+    def admit(self, num_tokens: int) -> Sequence:
+        """A new request of ``num_tokens`` tokens; raises CapacityError and changes nothing if the
+        pool cannot hold them."""
+        taken = self._allocator.take(num_tokens)
+        seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
+        self._home(seq, taken)
+        return seq
+
+    def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
+        """Append ``num_tokens`` tokens to ``seq``; returns their addresses."""
+        self._check_seq(seq)
+        taken = self._allocator.take(num_tokens)
+        return self._home(seq, taken)
+
+    def _home(self, seq: Sequence, taken: list[int]) -> torch.Tensor:
+        new = torch.tensor(taken, dtype=torch.int64).to(self.device)
+        if taken:
+            self._state.mapping[:, new] = UNHOMED
+            seq._addresses.extend(taken)
+            seq._tensor = None
+        return new
+
+    def release(self, seq: Sequence) -> None:
+        """Return every address and slot of ``seq`` in every group."""
+        self._check_seq(seq)
+        self._launches += self._layout.release(seq.addresses)
+        self._allocator.give_back(seq._addresses)
+        seq.released = True
+        if self._allocator.free == self._allocator.capacity:
+            # No request left: put the policy back in its fresh state (invariant 6, exactly).
+            self._state.reset_residency()
+        self._after_call()
+
+    # -- the hot path ----------------------------------------------------------------------------
+    def prepare(self, group: int, topk: torch.Tensor) -> Selection:
+        """Make every address of ``topk`` (``[B, K]`` or ``[B, Q, K]``, -1 = padding) GPU-resident
+        and return their slots. Starts a new round for ``group``."""
+        self._check_group(group)
+        self._need_kernels("prepare")
+        if not isinstance(topk, torch.Tensor):
+            raise InvalidInputError(f"prepare: topk must be a tensor, got {type(topk).__name__}")
+        if topk.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
+        if topk.dim() not in (2, 3):
+            raise InvalidInputError(
+                f"prepare: topk must be [batch, k] or [batch, q, k], got shape {tuple(topk.shape)}"
+            )
+        self._check_device("prepare: topk", topk)
+        flat = topk.reshape(-1)
+        if flat.numel() == 0:
+            return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
+        slots, launches = self._layout.run(group, flat)
+        self._launches += launches
+        self._raise_if_failed("prepare", flat)
+        self._after_call()
+        return Selection(group, slots.view(topk.shape))
+
+    def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows`` (uint8 ``[n, bytes_per_layer]``) as layer ``layer`` of ``addrs``
+        (``[n]``, -1 = padding row). New entries get a home in the layer's group."""
+        self._check_layer(layer)
+        self._need_kernels("write")
+        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError("write: addrs must be an int32 or int64 tensor")
+        if addrs.dim() != 1:
+            raise InvalidInputError(f"write: addrs must be 1-D, got shape {tuple(addrs.shape)}")
+        width = self.config.entry.bytes_per_layer
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8:
+            got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise InvalidInputError(
+                f"write: rows must be uint8 [n, {width}] (view other dtypes with .view(torch.uint8)), "
+                f"got {got}"
+            )
+        if rows.shape != (addrs.numel(), width):
+            raise InvalidInputError(
+                f"write: rows must have shape ({addrs.numel()}, {width}), got {tuple(rows.shape)}"
+            )
+        self._check_device("write: addrs", addrs)
+        self._check_device("write: rows", rows)
+        if addrs.numel() == 0:
+            return
+        _, launches = self._layout.run(
+            self.config.group_of(layer), addrs, rows=rows.contiguous(), layer=layer
+        )
+        self._launches += launches
+        self._raise_if_failed("write", addrs)
+        self._after_call()
+
+    # -- slow paths ------------------------------------------------------------------------------
+    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
+        """The bytes of ``addrs`` in ``layer``, from whichever tier holds them (synchronises)."""
+        self._check_layer(layer)
+        self._need_kernels("read")
+        self.check()
+        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
+        addrs = addrs.reshape(-1).to(self.device)
+        self._check_live("read", addrs)
+        return self._layout.read(layer, addrs)
+
+    def residency(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
+        """GPU slot of each address in ``group``, -1 where it is on the CPU or has no home."""
+        self._check_group(group)
+        addrs = addrs.reshape(-1).to(self.device)
+        self._check_live("residency", addrs)
+        home = self._state.mapping[group, addrs]
+        return torch.where((home >= 0) & (home < self._state.gpu_slots), home, -1)
+
+    def stats(self) -> dict[str, int]:
+        """Counters (cumulative) and occupancy; synchronises, and raises a deferred error."""
+        self.check()
+        st = self._state
+        G, C = st.gpu_slots, st.cpu_slots
+        groups = self.num_groups
+        gpu_used = groups * G - int(st.gctl[:, int(K.G_GPU_FREE)].sum())
+        cpu_used = groups * C - int(st.gctl[:, int(K.G_CPU_FREE)].sum())
+        counters = dict(zip(K.STAT_NAMES, st.stats.tolist(), strict=False))
+        return {
+            "live_addresses": self.capacity - self.free_addresses,
+            "distinct_entries": int((st.mapping >= 0).sum()),
+            "physical_slots_used": gpu_used + cpu_used,
+            "gpu_slots_used": gpu_used,
+            "cpu_slots_used": cpu_used,
+            **counters,
+            "launches": self._launches,
+        }
+
+    def check(self) -> None:
+        """Raise (and clear) an error that a non-validating ``prepare``/``write`` recorded."""
+        pending = int(self._state.ctl[int(K.E_PENDING)])
+        if pending:
+            self._state.ctl[int(K.E_PENDING)] = 0
+            raise self._status_error("an earlier call", pending, None)
+
+    def check_invariants(self) -> None:
+        """Check DESIGN invariants 1, 4-6 on the whole state (synchronises; for tests and debug)."""
+        check_invariants(self._state, self._allocator)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of every tensor that says where entries live, what they hold and the counters."""
+        st = self._state
+        out = {name: getattr(st, name).clone() for name in TieredState.RESIDENCY}
+        out.update(
+            gpu_data=st.gpu_data.clone(),
+            cpu_data=st.cpu_data.clone(),
+            stats=st.stats.clone(),
+            pending=st.ctl[int(K.E_PENDING)].clone(),
+        )
+        return out
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _raise_if_failed(self, what: str, flat: torch.Tensor) -> None:
+        if not self._validate:
+            return
+        status = int(self._state.ctl[int(K.E_LAST_STATUS)])
+        if status:
+            self._state.ctl[int(K.E_PENDING)] = 0
+            raise self._status_error(what, status, flat)
+
+    def _status_error(self, what: str, status: int, flat: torch.Tensor | None) -> UlakvError:
+        if status & int(K.ST_BAD_ADDRESS):
+            detail = ""
+            if flat is not None:
+                scratch = self._layout.scratch(flat.numel())
+                bad = (scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
+                offenders = flat[bad][:5].tolist()
+                detail = f": {offenders}"
+            return InvalidAddressError(
+                f"{what}: addresses out of range [0, {self.capacity}) or not live{detail}; nothing changed"
+            )
+        if status & int(K.ST_DUPLICATE):
+            return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
+        if status & int(K.ST_TOO_LARGE):
+            return CapacityError(
+                f"{what}: the selection has more distinct addresses than the {self._state.gpu_slots} "
+                "GPU slots of a group; nothing changed"
+            )
+        return UlakvError(f"{what}: failed with status {status}; nothing changed")
+
+    def _after_call(self) -> None:
+        if self._debug:
+            self.check_invariants()
+
+    def _need_kernels(self, what: str) -> None:
+        if self.device.type == "meta":
+            raise UlakvError(f"{what}: a pool on the meta device plans capacity and holds no data")
+
+    def _check_group(self, group: int) -> None:
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
+            raise InvalidInputError(f"group must be an int in [0, {self.num_groups}), got {group!r}")
+
+    def _check_layer(self, layer: int) -> None:
+        n = self.config.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise InvalidInputError(f"layer must be an int in [0, {n}), got {layer!r}")
+
+    def _check_device(self, what: str, t: torch.Tensor) -> None:
+        if not _same_device(t, self.device):
+            raise InvalidInputError(f"{what} is on {t.device}, the pool on {self.device}")
+
+    def _check_seq(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence) or seq.pool_id != self._id:
+            raise InvalidAddressError("the sequence does not belong to this pool")
+        if seq.released:
+            raise InvalidAddressError(f"sequence {seq.seq_id} was already released")
+
+    def _check_live(self, what: str, addrs: torch.Tensor) -> None:
+        in_range = (addrs >= 0) & (addrs < self.capacity)
+        if not bool(in_range.all()):
+            raise InvalidAddressError(f"{what}: addresses out of range [0, {self.capacity})")
+        if bool((self._state.mapping[0, addrs] == -1).any()):
+            raise InvalidAddressError(f"{what}: addresses not live (released or never admitted)")
