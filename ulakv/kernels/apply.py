@@ -18,6 +18,8 @@ A call whose status is not clean does nothing but write ``-1`` slots.
 
 from __future__ import annotations
 
+import torch
+
 from . import common as K
 from ._triton import tl, triton
 
@@ -177,3 +179,119 @@ def apply_kernel(
                 )
         else:
             tl.store(slots_ptr + pos, slot, mask=inb)
+
+
+def apply(st, g: int, scratch, flat, layers: range, rows, write_layer: int, slots) -> int:
+    """Launch apply for group ``g``. ``rows`` (int32/uint8 words ``[T, W]``) only for a write,
+    ``slots`` (int32 ``[T]``) only for a prepare. Returns launches."""
+    T = flat.numel()
+    gpu = K.as_words(st.gpu_data[layers.start : layers.stop])
+    cpu = K.as_words(st.cpu_data[layers.start : layers.stop])
+    write = rows is not None
+    W = gpu.shape[-1]
+    apply_kernel[(triton.cdiv(T, K.CHUNK),)](
+        flat,
+        T,
+        st.gpu_slots,
+        scratch.home,
+        scratch.flags,
+        scratch.counts,
+        scratch.miss_pos,
+        scratch.miss_rank,
+        scratch.first_pos,
+        st.ctl,
+        st.mapping[g],
+        st.owner[g],
+        st.ver[g],
+        st.q_slot[g],
+        st.q_ver[g],
+        st.q_slot.shape[1],
+        st.cpu_free[g],
+        scratch.victims,
+        scratch.popped,
+        scratch.chunk_off,
+        gpu,
+        cpu,
+        len(layers),
+        gpu.stride(0),
+        cpu.stride(0),
+        W,
+        rows if write else scratch.victims,
+        write_layer - layers.start,
+        scratch.victims if write else slots,
+        WRITE=write,
+        CHUNK=K.CHUNK,
+        ROWS=ROWS,
+        WORDS=K.next_pow2(W),
+    )
+    return 1
+
+
+def apply_reference(st, g: int, scratch, flat, layers: range, rows, write_layer: int, slots) -> None:
+    """Plain-Python twin of :func:`apply`: one miss, one row, one element at a time."""
+    T, G, C, Qcap = flat.numel(), st.gpu_slots, K.CHUNK, st.q_slot.shape[1]
+    write = rows is not None
+    if int(st.ctl[int(K.E_LAST_STATUS)]) != 0:
+        if not write:
+            slots[:T] = -1
+        return
+    k_free, V = int(st.ctl[int(K.E_KFREE)]), int(st.ctl[int(K.E_VICTIMS)])
+    push_base = int(st.ctl[int(K.E_PUSH_BASE)])
+    gpu, cpu = st.gpu_data[layers.start : layers.stop], st.cpu_data[layers.start : layers.stop]
+    local = write_layer - layers.start
+    new_rows = rows.view(torch.uint8).reshape(T, -1) if write else None
+    for c in range(-(-T // C)):
+        m_off, q_off, pop_run, push_run = scratch.chunk_off[c].tolist()
+        for r in range(int(scratch.counts[c, int(K.C_NEED)])):
+            p = int(scratch.miss_pos[c * C + r])
+            a, src, j = int(flat[p]), int(scratch.home[p]), m_off + r
+            from_cpu = src >= G
+            v = int(scratch.victims[j]) if j < V else None
+            old = int(st.owner[g, v]) if v is not None and j >= k_free else -1
+            cpu_slot = None
+            if not from_cpu and j >= k_free:
+                cpu_slot = int(scratch.popped[pop_run])
+                pop_run += 1
+            if from_cpu and j < k_free:
+                st.cpu_free[g, push_base + push_run] = src - G
+                push_run += 1
+            dest = src - G if from_cpu else cpu_slot
+            for layer in range(len(layers)):
+                incoming = cpu[layer, src - G].clone() if from_cpu else torch.zeros_like(cpu[layer, 0])
+                if write and layer == local:
+                    incoming = new_rows[p].clone()
+                if old >= 0:
+                    cpu[layer, dest] = gpu[layer, v]
+                if v is not None:
+                    gpu[layer, v] = incoming
+                else:
+                    cpu[layer, cpu_slot] = incoming
+            st.mapping[g, a] = v if v is not None else G + cpu_slot
+            if old >= 0:
+                st.mapping[g, old] = G + dest
+            if v is not None:
+                st.owner[g, v] = a
+        appended = 0
+        for pos in range(c * C, min(T, (c + 1) * C)):
+            flags, home = int(scratch.flags[pos]), int(scratch.home[pos])
+            slot = -1
+            if flags & int(K.F_GPU):
+                slot = home
+            elif flags & int(K.F_MOVED):
+                p0 = int(scratch.first_pos[pos])
+                j0 = int(scratch.chunk_off[p0 // C, 0]) + int(scratch.miss_rank[p0])
+                slot = int(scratch.victims[j0]) if j0 < V else -1
+            if flags & int(K.F_FIRST) and slot >= 0:
+                q = (q_off + appended) % Qcap
+                appended += 1
+                st.ver[g, slot] += 1
+                st.q_slot[g, q] = slot
+                st.q_ver[g, q] = st.ver[g, slot]
+            if not write:
+                slots[pos] = slot
+            elif flags & int(K.F_PAD):
+                gpu[local, G] = new_rows[pos]
+            elif flags & int(K.F_GPU):
+                gpu[local, home] = new_rows[pos]
+            elif flags & int(K.F_CPU):
+                cpu[local, home - G] = new_rows[pos]

@@ -18,6 +18,8 @@ One program (the work is O(misses + queue entries skipped + chunks), never O(poo
 
 from __future__ import annotations
 
+import torch
+
 from . import common as K
 from ._triton import tl, triton
 
@@ -231,3 +233,129 @@ def plan_kernel(
         tl.store(ctl_ptr + K.E_EPOCH, 1)
     else:
         tl.store(ctl_ptr + K.E_EPOCH, epoch + 1)
+
+
+def plan(st, g: int, scratch, T: int, write: bool, group_row_bytes: int, layer_row_bytes: int) -> int:
+    """Launch the plan for group ``g`` of ``st`` (a TieredState); returns launches."""
+    plan_kernel[(1,)](
+        scratch.home,
+        scratch.counts,
+        scratch.miss_pos,
+        triton.cdiv(T, K.CHUNK),
+        st.gpu_slots,
+        st.num_addresses,
+        st.ctl,
+        st.gctl[g],
+        st.stats,
+        st.ver[g],
+        st.q_slot[g],
+        st.q_ver[g],
+        st.q_slot.shape[1],
+        st.mark,
+        st.claim,
+        st.gpu_free[g],
+        st.cpu_free[g],
+        scratch.victims,
+        scratch.popped,
+        scratch.chunk_off,
+        group_row_bytes,
+        layer_row_bytes,
+        WRITE=write,
+        CHUNK=K.CHUNK,
+        BLOCK=BLOCK,
+    )
+    return 1
+
+
+def plan_reference(
+    st, g: int, scratch, T: int, write: bool, group_row_bytes: int, layer_row_bytes: int
+) -> None:
+    """Plain-Python twin of :func:`plan`: walks misses and queue entries one at a time."""
+    G, Qcap, C = st.gpu_slots, st.q_slot.shape[1], K.CHUNK
+    P = -(-T // C)
+    ctl, gctl, stats = st.ctl, st.gctl[g], st.stats
+    counts = scratch.counts[:P].tolist()
+    total = [sum(row[i] for row in counts) for i in range(K.COUNT_WORDS)]
+    D, H, M = total[int(K.C_DISTINCT)], total[int(K.C_HITS)], total[int(K.C_NEED)]
+    MC, CF = total[int(K.C_NEED_CPU)], total[int(K.C_CPU_FIRST)]
+    status, epoch = int(ctl[int(K.E_STATUS)]), int(ctl[int(K.E_EPOCH)])
+    if not write and D > G:
+        status |= int(K.ST_TOO_LARGE)
+    if status == 0:
+        head, tail = int(gctl[int(K.G_HEAD)]), int(gctl[int(K.G_TAIL)])
+        round_tail = int(gctl[int(K.G_ROUND_TAIL)])
+        if not write:
+            round_tail = tail
+            gctl[int(K.G_ROUND)] += 1
+        n_free = int(gctl[int(K.G_GPU_FREE)])
+        k_free = min(M, n_free)
+        victims = [int(st.gpu_free[g, n_free - 1 - j]) for j in range(k_free)]
+        n_free -= k_free
+        scanned_from = head
+        while len(victims) < M and head < round_tail:
+            s = int(st.q_slot[g, head % Qcap])
+            live = int(st.q_ver[g, head % Qcap]) == int(st.ver[g, s])
+            if live and int(st.mark[s]) != epoch:
+                victims.append(s)
+            head += 1
+        V = len(victims)
+        scratch.victims[:V] = torch.tensor(victims, dtype=torch.int32)
+        if tail + H + V - head > Qcap:
+            kept = [
+                (int(st.q_slot[g, i % Qcap]), int(st.q_ver[g, i % Qcap]), i)
+                for i in range(head, tail)
+                if int(st.q_ver[g, i % Qcap]) == int(st.ver[g, int(st.q_slot[g, i % Qcap])])
+            ]
+            for k, (s, v, _) in enumerate(kept):
+                st.q_slot[g, (head + k) % Qcap] = s
+                st.q_ver[g, (head + k) % Qcap] = v
+            round_tail = head + sum(1 for *_, i in kept if i < round_tail)
+            tail = head + len(kept)
+        # Walk the misses in order: which take a free slot, which need a CPU slot.
+        j = 0
+        q_run, pop_run, push_run = tail, 0, 0
+        for c in range(P):
+            need, hits = counts[c][int(K.C_NEED)], counts[c][int(K.C_HITS)]
+            pops = pushes = with_victim = 0
+            for r in range(need):
+                from_cpu = int(scratch.home[int(scratch.miss_pos[c * C + r])]) >= G
+                if j + r < k_free:
+                    pushes += from_cpu
+                elif not from_cpu:
+                    pops += 1
+                with_victim += j + r < V
+            scratch.chunk_off[c] = torch.tensor([j, q_run, pop_run, push_run])
+            j += need
+            q_run += hits + with_victim
+            pop_run += pops
+            push_run += pushes
+        top = int(gctl[int(K.G_CPU_FREE)])
+        for r in range(pop_run):
+            scratch.popped[r] = st.cpu_free[g, top - 1 - r]
+        gctl[int(K.G_HEAD)] = head
+        gctl[int(K.G_TAIL)] = q_run
+        gctl[int(K.G_ROUND_TAIL)] = round_tail
+        gctl[int(K.G_GPU_FREE)] = n_free
+        gctl[int(K.G_CPU_FREE)] = top - pop_run + push_run
+        ctl[int(K.E_KFREE)] = k_free
+        ctl[int(K.E_VICTIMS)] = V
+        ctl[int(K.E_PUSH_BASE)] = top - pop_run
+        evicted = V - k_free
+        if write:
+            stats[int(K.S_BYTES_OUT)] += evicted * group_row_bytes + (CF + M - V) * layer_row_bytes
+        else:
+            stats[int(K.S_HITS)] += H
+            stats[int(K.S_MISSES)] += M
+            stats[int(K.S_BYTES_IN)] += MC * group_row_bytes
+            stats[int(K.S_BYTES_OUT)] += evicted * group_row_bytes
+        stats[int(K.S_VICTIMS)] += evicted
+        stats[int(K.S_SCANNED)] += head - scanned_from
+    ctl[int(K.E_LAST_STATUS)] = status
+    ctl[int(K.E_STATUS)] = 0
+    ctl[int(K.E_PENDING)] |= status
+    if epoch + 1 >= K.EPOCH_LIMIT:
+        st.claim.zero_()
+        st.mark.zero_()
+        ctl[int(K.E_EPOCH)] = 1
+    else:
+        ctl[int(K.E_EPOCH)] = epoch + 1

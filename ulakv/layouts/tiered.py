@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -155,6 +156,32 @@ class CallScratch:
     def capacity(self) -> int:
         return self.home.numel()
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def clone(self) -> CallScratch:
+        return CallScratch(**{k: v.clone() for k, v in self.tensors().items()})
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The stages of a call. Tests swap any of them for its plain reference (same signature)."""
+
+    lookup: Callable
+    plan: Callable
+    apply: Callable
+
+    def returning_launches(self) -> Kernels:
+        """References return None; count them as one launch per stage like the kernels they mirror."""
+        wrap = lambda fn, n: lambda *a, **k: (fn(*a, **k), n)[1]
+        return Kernels(wrap(self.lookup, 2), wrap(self.plan, 1), wrap(self.apply, 1))
+
+
+TRITON = Kernels(lookup_mod.lookup, plan_mod.plan, apply_mod.apply)
+REFERENCE = Kernels(
+    lookup_mod.lookup_reference, plan_mod.plan_reference, apply_mod.apply_reference
+).returning_launches()
+
 
 class TieredLayout:
     """Runs the kernels of a tiered pool over a ``TieredState``."""
@@ -163,8 +190,7 @@ class TieredLayout:
         self.config = config
         self.state = state
         self._scratch: CallScratch | None = None
-        self._dummy_rows = torch.zeros((1, 1), dtype=torch.int32, device=config.torch_device)
-        self._dummy_slots = torch.zeros(1, dtype=torch.int32, device=config.torch_device)
+        self.kernels = TRITON
 
     def scratch(self, elements: int) -> CallScratch:
         # Grow to a power of two so a serving loop allocates a handful of times, then never.
@@ -173,93 +199,27 @@ class TieredLayout:
             self._scratch = CallScratch.allocate(capacity, self.config.torch_device)
         return self._scratch
 
-    def _words(self, layers: torch.Tensor) -> torch.Tensor:
-        return K.as_words(layers)
-
     def run(
-        self, group: int, flat: torch.Tensor, *, rows=None, layer: int = 0
+        self, group: int, flat: torch.Tensor, *, rows: torch.Tensor | None = None, layer: int = 0
     ) -> tuple[torch.Tensor | None, int]:
-        """One prepare (``rows is None``) or write of the flat address tensor ``flat``.
+        """One ``prepare`` (``rows is None``) or ``write`` of the flat addresses ``flat``.
 
-        Returns the slots (prepare) and the number of launches.
+        Returns the slots (prepare only) and the number of kernel launches (4).
         """
-        st, cfg = self.state, self.config
+        st, cfg, kernels = self.state, self.config, self.kernels
         write = rows is not None
         T = flat.numel()
         scratch = self.scratch(T)
-        G = st.gpu_slots
-        g = group
-        launches = lookup_mod.lookup(flat, st.mapping[g], st.claim, st.mark, st.ctl, scratch, G, write)
-        layers = cfg.group_layers(g)
-        bytes_per_layer = cfg.entry.bytes_per_layer
-        chunks = triton.cdiv(T, K.CHUNK)
-        plan_mod.plan_kernel[(1,)](
-            scratch.home,
-            scratch.counts,
-            scratch.miss_pos,
-            chunks,
-            G,
-            st.num_addresses,
-            st.ctl,
-            st.gctl[g],
-            st.stats,
-            st.ver[g],
-            st.q_slot[g],
-            st.q_ver[g],
-            st.q_slot.shape[1],
-            st.mark,
-            st.claim,
-            st.gpu_free[g],
-            st.cpu_free[g],
-            scratch.victims,
-            scratch.popped,
-            scratch.chunk_off,
-            len(layers) * bytes_per_layer,
-            bytes_per_layer,
-            WRITE=write,
-            CHUNK=K.CHUNK,
-            BLOCK=plan_mod.BLOCK,
+        layers = cfg.group_layers(group)
+        width = cfg.entry.bytes_per_layer
+        launches = kernels.lookup(
+            flat, st.mapping[group], st.claim, st.mark, st.ctl, scratch, st.gpu_slots, write
         )
-        gpu = self._words(st.gpu_data[layers.start : layers.stop])
-        cpu = self._words(st.cpu_data[layers.start : layers.stop])
-        W = gpu.shape[-1]
+        launches += kernels.plan(st, group, scratch, T, write, len(layers) * width, width)
         slots = None if write else torch.empty(T, dtype=torch.int32, device=flat.device)
-        apply_mod.apply_kernel[(chunks,)](
-            flat,
-            T,
-            G,
-            scratch.home,
-            scratch.flags,
-            scratch.counts,
-            scratch.miss_pos,
-            scratch.miss_rank,
-            scratch.first_pos,
-            st.ctl,
-            st.mapping[g],
-            st.owner[g],
-            st.ver[g],
-            st.q_slot[g],
-            st.q_ver[g],
-            st.q_slot.shape[1],
-            st.cpu_free[g],
-            scratch.victims,
-            scratch.popped,
-            scratch.chunk_off,
-            gpu,
-            cpu,
-            len(layers),
-            gpu.stride(0),
-            cpu.stride(0),
-            W,
-            self._words(rows) if write else self._dummy_rows,
-            layer - layers.start,
-            self._dummy_slots if write else slots,
-            WRITE=write,
-            CHUNK=K.CHUNK,
-            ROWS=apply_mod.ROWS,
-            WORDS=K.next_pow2(W),
-        )
-        return slots, launches + 2
+        words = K.as_words(rows) if write else None
+        launches += kernels.apply(st, group, scratch, flat, layers, words, layer, slots)
+        return slots, launches
 
     def release(self, addrs: torch.Tensor) -> int:
         return release_mod.release(addrs, self.state)
@@ -271,7 +231,7 @@ class TieredLayout:
             addrs,
             st.mapping[g],
             st.gpu_slots,
-            self._words(st.gpu_data[layer]),
-            self._words(st.cpu_data[layer]),
+            K.as_words(st.gpu_data[layer]),
+            K.as_words(st.cpu_data[layer]),
         )
         return words.view(torch.uint8).reshape(addrs.numel(), self.config.entry.bytes_per_layer)
