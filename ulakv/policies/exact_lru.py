@@ -59,24 +59,22 @@ class ExactLRUModel:
             self.order[a] = self.round
         return hits, misses, victims
 
-    def write_new(self, addresses: Iterable[int]) -> tuple[list[int], list[int]]:
-        """New entries written in the current round. Returns (homed on GPU, victims); the rest of
-        ``addresses`` are homed on the CPU."""
-        new = self._distinct(addresses)
+    def write(self, addresses: Iterable[int], new: set[int]) -> tuple[list[int], list[int]]:
+        """A write in the current round. ``new`` are the written addresses without a home yet; they
+        get a GPU slot while free or evictable ones last, else a CPU home. Written GPU entries become
+        most recent, in order of first position. Returns (new entries homed on the GPU, victims)."""
+        written = self._distinct(addresses)
+        fresh = [a for a in written if a in new]
+        hits = [a for a in written if a in self.order]
         free = self.gpu_slots - len(self.order)
-        victims = self._evict(max(0, len(new) - free), set())
-        room = free + len(victims)
-        on_gpu = new[:room]
-        for a in on_gpu:
-            self.order[a] = self.round
-        return on_gpu, victims
-
-    def touch(self, addresses: Iterable[int]) -> None:
-        """Entries already on the GPU that a write stored to: most recent, in order."""
-        for a in self._distinct(addresses):
-            if a in self.order:
-                self.order.pop(a)
+        victims = self._evict(max(0, len(fresh) - free), set(hits))
+        on_gpu = fresh[: free + len(victims)]
+        recent = set(hits) | set(on_gpu)
+        for a in written:
+            if a in recent:
+                self.order.pop(a, None)
                 self.order[a] = self.round
+        return on_gpu, victims
 
     def release(self, addresses: Iterable[int]) -> None:
         for a in addresses:

@@ -1,0 +1,73 @@
+"""Invariant 7: the pool's exact LRU makes the same hits, misses and victims as the plain model,
+step for step, on traces with locality, speculative duplicates, new tokens and releases."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import random_rows, small_pool
+
+from ulakv.policies import ExactLRUModel
+
+
+def gpu_resident(pool, group: int, addrs: list[int]) -> set[int]:
+    if not addrs:
+        return set()
+    slots = pool.residency(group, torch.tensor(addrs))
+    return {a for a, s in zip(addrs, slots.tolist(), strict=True) if s >= 0}
+
+
+@pytest.mark.parametrize(
+    ("seed", "gpu", "cpu", "per_group"),
+    [(1, 4, 12, 1), (2, 7, 20, 2), (3, 13, 9, 2), (4, 3, 30, 1)],
+    ids=["g4-c12", "g7-c20-2layers", "g13-c9-2layers", "g3-c30"],
+)
+def test_pool_matches_exact_lru_model(seed, gpu, cpu, per_group) -> None:
+    pool = small_pool(gpu, cpu, bytes_per_layer=4, num_layers=2, layers_per_group=per_group)
+    models = [ExactLRUModel(gpu) for _ in range(pool.num_groups)]
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    seqs: list = []
+    homed: set[tuple[int, int]] = set()  # (group, address) with a home
+    for _ in range(40):
+        live = [a for s in seqs for a in s._addresses]
+        op = rng.random()
+        if op < 0.25 and pool.free_addresses:
+            seq = pool.admit(rng.randint(1, min(5, pool.free_addresses)))
+            seqs.append(seq)
+            for layer in range(2):
+                group = pool.config.group_of(layer)
+                before = gpu_resident(pool, group, live)
+                new = {a for a in seq._addresses if (group, a) not in homed}
+                on_gpu, victims = models[group].write(seq._addresses, new)
+                pool.write(layer, seq.addresses, random_rows(gen, len(seq), 4))
+                homed |= {(group, a) for a in seq._addresses}
+                after = gpu_resident(pool, group, live + seq._addresses)
+                assert before - after == set(victims)
+                assert after == set(models[group].order)
+                assert set(on_gpu) <= after
+        elif op < 0.35 and seqs:
+            seq = seqs.pop(rng.randrange(len(seqs)))
+            pool.release(seq)
+            for group, model in enumerate(models):
+                model.release(seq._addresses)
+                homed -= {(group, a) for a in seq._addresses}
+        elif live:
+            group = rng.randrange(pool.num_groups)
+            # Locality: a recent window plus a few far positions; 3 query positions overlap.
+            window = live[-rng.randint(1, gpu) :]
+            picks = rng.sample(window, min(len(window), gpu - 1)) + [rng.choice(live)]
+            picks = list(dict.fromkeys(picks))[:gpu]
+            sel = torch.tensor([[rng.choice([*picks, -1]) for _ in range(4)] for _ in range(3)])
+            before_stats = pool.stats()
+            before = gpu_resident(pool, group, live)
+            hits, misses, victims = models[group].prepare(sel.flatten().tolist())
+            pool.prepare(group, sel.unsqueeze(0))
+            stats = pool.stats()
+            assert stats["hits"] - before_stats["hits"] == len(hits)
+            assert stats["misses"] - before_stats["misses"] == len(misses)
+            after = gpu_resident(pool, group, live)
+            assert before - after == set(victims)
+            assert after == set(models[group].order)
+        pool.check_invariants()
