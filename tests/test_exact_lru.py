@@ -57,7 +57,7 @@ def test_pool_matches_exact_lru_model(seed, gpu, cpu, per_group) -> None:
             group = rng.randrange(pool.num_groups)
             # Locality: a recent window plus a few far positions; 3 query positions overlap.
             window = live[-rng.randint(1, gpu) :]
-            picks = rng.sample(window, min(len(window), gpu - 1)) + [rng.choice(live)]
+            picks = [*rng.sample(window, min(len(window), gpu - 1)), rng.choice(live)]
             picks = list(dict.fromkeys(picks))[:gpu]
             sel = torch.tensor([[rng.choice([*picks, -1]) for _ in range(4)] for _ in range(3)])
             before_stats = pool.stats()
