@@ -22,6 +22,7 @@ E_PENDING = tl.constexpr(3)  # sticky OR of failed calls' status (what deferred 
 E_KFREE = tl.constexpr(4)  # misses served from free GPU slots this call
 E_VICTIMS = tl.constexpr(5)  # misses that got a GPU slot this call (free or evicted)
 E_PUSH_BASE = tl.constexpr(6)  # where freed CPU slots are pushed on the CPU free stack
+E_DISTINCT = tl.constexpr(7)  # distinct addresses of the call in flight (counted by the claim)
 CTL_WORDS = 8
 
 # gctl: one row per layer group.
@@ -39,9 +40,22 @@ S_MISSES = tl.constexpr(1)
 S_BYTES_IN = tl.constexpr(2)
 S_BYTES_OUT = tl.constexpr(3)
 S_VICTIMS = tl.constexpr(4)
-S_SCANNED = tl.constexpr(5)  # LRU queue entries examined by victim searches
+S_SEARCH_READS = tl.constexpr(5)  # words (bitmap) or entries (LRU ring) read by victim searches
+S_ROUND_READS = tl.constexpr(6)  # words read by end-of-round policy upkeep (PB-LRU's cold merge)
 STATS_WORDS = 8
-STAT_NAMES = ("hits", "misses", "bytes_in", "bytes_out", "victims", "victim_entries_scanned")
+STAT_NAMES = (
+    "hits",
+    "misses",
+    "bytes_in",
+    "bytes_out",
+    "victims",
+    "victim_search_reads",
+    "round_upkeep_reads",
+)
+
+# Policies, as the kernels' POLICY constexpr.
+EXACT_LRU = 0
+PBLRU = 1
 
 # Status bits of one call.
 ST_BAD_ADDRESS = tl.constexpr(1)

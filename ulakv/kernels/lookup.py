@@ -4,13 +4,17 @@ Two launches over the flattened selection (``CHUNK`` elements a program):
 
 1. ``claim``: validate every address (in range, live) and claim it: ``atomic_max`` of
    ``(epoch << 32) | ~position`` into a per-address word, so the lowest position of this call wins.
+   The element that finds no claim of this epoch counts one distinct address; in a write, one that
+   finds one is a duplicate. After this launch the call's status is complete: bad addresses,
+   duplicates, and whether the distinct addresses fit the GPU tier.
 2. ``classify``: an element is the address's *first* occurrence when its key survived. Firsts
    count distinct/hit/miss, mark their GPU slot as protected for this call, and list the misses of
    their chunk in order. Duplicates (speculative query positions, layers' repeats) only read.
 
 Dedup needs every claim to land before any program reads one, and Triton has no grid-wide barrier:
-that is the one reason this is two launches. Nothing here changes pool state (claims and marks are
-epoch-tagged scratch), so a call that fails validation later changes nothing.
+that is the one reason this is two launches. Claims and marks are epoch-tagged scratch; the only pool
+state ``classify`` changes is a policy's recency (PB-LRU moves hits to the current bucket), and only
+when the status says the call will go through, so a refused call changes nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from ._triton import tl, triton
 
 
 @triton.jit
-def claim_kernel(sel_ptr, T, N, map_ptr, claim_ptr, ctl_ptr, CHUNK: tl.constexpr):
+def claim_kernel(sel_ptr, T, N, map_ptr, claim_ptr, ctl_ptr, WRITE: tl.constexpr, CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     inb = pos < T
@@ -33,9 +37,14 @@ def claim_kernel(sel_ptr, T, N, map_ptr, claim_ptr, ctl_ptr, CHUNK: tl.constexpr
     bad = inb & (a != -1) & ~ok
     epoch = tl.load(ctl_ptr + K.E_EPOCH)
     key = (epoch << 32) | (K.POS_MASK - pos)
-    tl.atomic_max(claim_ptr + a, key, mask=ok)
+    previous = tl.atomic_max(claim_ptr + a, key, mask=ok)
+    arrived_first = ok & ((previous >> 32) != epoch)
+    tl.atomic_add(ctl_ptr + K.E_DISTINCT, tl.sum(arrived_first.to(tl.int64), axis=0))
     if tl.sum(bad.to(tl.int32), axis=0) > 0:
         tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_BAD_ADDRESS)
+    if WRITE:
+        if tl.sum((ok & ~arrived_first).to(tl.int32), axis=0) > 0:
+            tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_DUPLICATE)
 
 
 @triton.jit
@@ -75,8 +84,6 @@ def classify_kernel(
     if WRITE:
         # A write keeps CPU-resident entries where they are; only entries without a home need one.
         moved = ok & (home == K.M_UNHOMED)
-        if tl.sum((ok & ~first).to(tl.int32), axis=0) > 0:
-            tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_DUPLICATE)
     else:
         moved = ok & ~on_gpu
     need = first & moved
@@ -108,7 +115,7 @@ def lookup(sel, mapping, claim, mark, ctl, scratch, gpu_slots: int, write: bool)
     T = sel.numel()
     grid = (triton.cdiv(T, K.CHUNK),)
     N = mapping.numel()
-    claim_kernel[grid](sel, T, N, mapping, claim, ctl, CHUNK=K.CHUNK)
+    claim_kernel[grid](sel, T, N, mapping, claim, ctl, WRITE=write, CHUNK=K.CHUNK)
     classify_kernel[grid](
         sel,
         T,
@@ -144,8 +151,11 @@ def lookup_reference(sel, mapping, claim, mark, ctl, scratch, gpu_slots: int, wr
         if not (0 <= a < N) or homes[a] == int(K.M_FREE):
             status |= int(K.ST_BAD_ADDRESS)
             continue
+        if a in first_pos and write:
+            status |= int(K.ST_DUPLICATE)
         first_pos.setdefault(a, pos)
         claim[a] = max(int(claim[a]), (epoch << 32) | (K.POS_MASK - pos))
+    ctl[int(K.E_DISTINCT)] += len(first_pos)
     for chunk in range(-(-T // C)):
         counts = [0] * K.COUNT_WORDS
         for pos in range(chunk * C, min(T, (chunk + 1) * C)):
@@ -156,8 +166,6 @@ def lookup_reference(sel, mapping, claim, mark, ctl, scratch, gpu_slots: int, wr
             on_gpu = ok and 0 <= home < G
             on_cpu = ok and home >= G
             moved = ok and (home == int(K.M_UNHOMED) if write else not on_gpu)
-            if write and ok and not first:
-                status |= int(K.ST_DUPLICATE)
             need = first and moved
             if first and on_gpu:
                 mark[home] = epoch

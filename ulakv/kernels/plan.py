@@ -217,11 +217,12 @@ def plan_kernel(
                 tl.load(stats_ptr + K.S_BYTES_OUT) + evicted * group_row_bytes,
             )
         tl.store(stats_ptr + K.S_VICTIMS, tl.load(stats_ptr + K.S_VICTIMS) + evicted)
-        tl.store(stats_ptr + K.S_SCANNED, tl.load(stats_ptr + K.S_SCANNED) + scanned)
+        tl.store(stats_ptr + K.S_SEARCH_READS, tl.load(stats_ptr + K.S_SEARCH_READS) + scanned)
 
     # -- always: publish the status, clear the accumulator, advance the epoch ---------------------
     tl.store(ctl_ptr + K.E_LAST_STATUS, status)
     tl.store(ctl_ptr + K.E_STATUS, 0)
+    tl.store(ctl_ptr + K.E_DISTINCT, 0)
     tl.store(ctl_ptr + K.E_PENDING, tl.load(ctl_ptr + K.E_PENDING) | status)
     if epoch + 1 >= K.EPOCH_LIMIT:
         # Claim keys are (epoch << 32 | ~pos): before the epoch would overflow them, clear the
@@ -349,9 +350,10 @@ def plan_reference(
             stats[int(K.S_BYTES_IN)] += MC * group_row_bytes
             stats[int(K.S_BYTES_OUT)] += evicted * group_row_bytes
         stats[int(K.S_VICTIMS)] += evicted
-        stats[int(K.S_SCANNED)] += head - scanned_from
+        stats[int(K.S_SEARCH_READS)] += head - scanned_from
     ctl[int(K.E_LAST_STATUS)] = status
     ctl[int(K.E_STATUS)] = 0
+    ctl[int(K.E_DISTINCT)] = 0
     ctl[int(K.E_PENDING)] |= status
     if epoch + 1 >= K.EPOCH_LIMIT:
         st.claim.zero_()
