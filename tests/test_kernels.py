@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import assert_tensors_equal, random_rows, small_pool
 
+from ulakv import PBLRU, ExactLRU
 from ulakv.kernels import apply as apply_mod
 from ulakv.kernels import common as K
 from ulakv.kernels import gather as gather_mod
@@ -41,10 +42,7 @@ def run_stagewise(pool, group: int, flat: torch.Tensor, rows=None, layer: int = 
     words = K.as_words(rows) if rows is not None else None
     write = rows is not None
     stages = [
-        (
-            "lookup",
-            lambda k, s, sc: k.lookup(flat, s.mapping[group], s.claim, s.mark, s.ctl, sc, s.gpu_slots, write),
-        ),
+        ("lookup", lambda k, s, sc: k.lookup(s, group, flat, sc, write)),
         ("plan", lambda k, s, sc: k.plan(s, group, sc, T, write, len(layers) * width, width)),
         ("apply", lambda k, s, sc, out: k.apply(s, group, sc, flat, layers, words, layer, out)),
     ]
@@ -62,22 +60,28 @@ def run_stagewise(pool, group: int, flat: torch.Tensor, rows=None, layer: int = 
 
 
 CASES = [
-    # id, gpu_slots, cpu_slots, bytes, layers, per group
-    ("gpu-only-odd", 7, 0, 5, 1, 1),
-    ("tiered-656B", 6, 11, 656, 2, 2),
-    ("tiered-short-group", 5, 13, 12, 3, 2),
-    ("tiny-gpu", 2, 9, 3, 2, 1),
+    # id, gpu_slots, cpu_slots, bytes, layers, per group, policy
+    ("lru-gpu-only-odd", 7, 0, 5, 1, 1, ExactLRU()),
+    ("lru-656B", 6, 11, 656, 2, 2, ExactLRU()),
+    ("lru-short-group", 5, 13, 12, 3, 2, ExactLRU()),
+    ("lru-tiny-gpu", 2, 9, 3, 2, 1, ExactLRU()),
+    ("pblru2-gpu-only-odd", 7, 0, 5, 1, 1, PBLRU(2)),
+    ("pblru3-656B", 6, 11, 656, 2, 2, PBLRU(3)),
+    ("pblru4-70-slots", 70, 40, 4, 2, 2, PBLRU(4)),  # 70 slots: 3 leaf words under one summary word
+    ("pblru8-tiny-gpu", 2, 9, 3, 2, 1, PBLRU(8)),
 ]
 
 
 @pytest.mark.parametrize(
-    ("gpu", "cpu", "width", "layers", "per_group"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+    ("gpu", "cpu", "width", "layers", "per_group", "policy"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
 )
-def test_stages_match_reference_under_random_traffic(gpu, cpu, width, layers, per_group) -> None:
-    pool = small_pool(gpu, cpu, width, layers, per_group)
+def test_stages_match_reference_under_random_traffic(gpu, cpu, width, layers, per_group, policy) -> None:
+    pool = small_pool(gpu, cpu, width, layers, per_group, policy)
     rng, gen = random.Random(gpu * 100 + cpu), torch.Generator().manual_seed(width)
     seqs = []
-    for _ in range(14):
+    for _ in range(16):
         op = rng.random()
         live = [a for s in seqs for a in s._addresses]
         if (op < 0.35 or not live) and pool.free_addresses:
@@ -100,7 +104,7 @@ def test_stages_match_reference_under_random_traffic(gpu, cpu, width, layers, pe
             seq.released = True
         elif live:
             group = rng.randrange(pool.num_groups)
-            cand = rng.sample(live, min(len(live), gpu))
+            cand = rng.sample(live, min(len(live), gpu, 12))
             q = rng.choice([1, 3])
             k = rng.randint(1, 5)
             sel = torch.tensor([[rng.choice([*cand, -1]) for _ in range(k)] for _ in range(q)])

@@ -1,7 +1,7 @@
 """ulakv: one logical address and one physical home for every KV entry of a sparse-attention LLM."""
 
 from .address_space import Sequence
-from .config import EntrySpec, ExactLRU, PoolConfig, Tiered
+from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
 from .errors import (
     CapacityError,
     ConfigError,
@@ -13,6 +13,7 @@ from .errors import (
 from .pool import Pool, Selection
 
 __all__ = [
+    "PBLRU",
     "CapacityError",
     "ConfigError",
     "EntrySpec",

@@ -49,7 +49,23 @@ class ExactLRU:
     name = "exact_lru"
 
 
-PolicyConfig = ExactLRU
+@dataclass(frozen=True)
+class PBLRU:
+    """Parallel bucketed LRU: a ring of ``num_buckets`` per-round bucket bitmaps (the current round
+    and the ones before it) plus one cold bitmap, each with summary levels for a search that skips
+    empty segments. Victims: free slots, then cold, then the ring oldest first; never the current
+    round. Within a bucket, lower slots go first."""
+
+    num_buckets: int = 8
+    name = "pblru"
+
+    def __post_init__(self) -> None:
+        _check_int("PBLRU.num_buckets", self.num_buckets, 2)
+        if self.num_buckets > 1024:
+            raise ConfigError(f"PBLRU.num_buckets must be <= 1024, got {self.num_buckets}")
+
+
+PolicyConfig = ExactLRU | PBLRU
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,7 @@ class Tiered:
                 f"gpu_slots + cpu_slots = {self.gpu_slots + self.cpu_slots} exceeds {MAX_SLOTS}: "
                 "mapping entries are int32"
             )
-        if not isinstance(self.policy, ExactLRU):
+        if not isinstance(self.policy, (ExactLRU, PBLRU)):
             raise ConfigError(
                 f"Tiered.policy must be a policy config such as ExactLRU(), got {self.policy!r}"
             )

@@ -8,6 +8,7 @@ import torch
 from .address_space import FREE, LogicalAllocator
 from .errors import InvariantError
 from .kernels import common as K
+from .policies.pblru import PBLRUBits
 
 
 def _fail(group: int, message: str) -> None:
@@ -52,14 +53,51 @@ def check_invariants(state, allocator: LogicalAllocator) -> None:
         expected_cpu_free = torch.nonzero(~cpu_used[:C]).flatten()
         if not torch.equal(cpu_free.sort().values, expected_cpu_free):
             _fail(g, "the CPU free stack does not list exactly the unused CPU slots")
-        head, tail = gctl[int(K.G_HEAD)], gctl[int(K.G_TAIL)]
-        round_tail, qcap = gctl[int(K.G_ROUND_TAIL)], state.q_slot.shape[1]
-        if not head <= round_tail <= tail or tail - head > qcap:
-            _fail(g, f"LRU queue bounds broken: head {head}, round tail {round_tail}, tail {tail}")
-        idx = torch.arange(head, tail) % qcap
-        q_slot = state.q_slot[g].cpu().to(torch.int64)[idx]
-        q_ver = state.q_ver[g].cpu()[idx]
-        valid = q_ver == state.ver[g].cpu()[q_slot]
-        counts = torch.bincount(q_slot[valid], minlength=G)
-        if not torch.equal(counts, (owner >= 0).to(torch.int64)):
-            _fail(g, "a GPU entry is missing from the LRU order, or a free slot is in it")
+        if state.policy == K.EXACT_LRU:
+            _check_lru_ring(state, g, owner, gctl)
+        else:
+            _check_buckets(state, g, owner, gctl)
+
+
+def _check_lru_ring(state, g: int, owner: torch.Tensor, gctl: list[int]) -> None:
+    G = state.gpu_slots
+    head, tail = gctl[int(K.G_HEAD)], gctl[int(K.G_TAIL)]
+    round_tail, qcap = gctl[int(K.G_ROUND_TAIL)], state.q_slot.shape[1]
+    if not head <= round_tail <= tail or tail - head > qcap:
+        _fail(g, f"LRU queue bounds broken: head {head}, round tail {round_tail}, tail {tail}")
+    idx = torch.arange(head, tail) % qcap
+    q_slot = state.q_slot[g].cpu().to(torch.int64)[idx]
+    q_ver = state.q_ver[g].cpu()[idx]
+    valid = q_ver == state.ver[g].cpu()[q_slot]
+    counts = torch.bincount(q_slot[valid], minlength=G)
+    if not torch.equal(counts, (owner >= 0).to(torch.int64)):
+        _fail(g, "a GPU entry is missing from the LRU order, or a free slot is in it")
+
+
+def _check_buckets(state, g: int, owner: torch.Tensor, gctl: list[int]) -> None:
+    """PB-LRU: every occupied slot is in exactly the bucket its stamp names, free slots in none,
+    and every summary bit says exactly whether the word below it is non-empty."""
+    bitmaps = PBLRUBits(state, g)
+    ref = gctl[int(K.G_ROUND)] + 1
+    stamps = state.stamp[g].cpu().tolist()
+    where = {}
+    for b, slots in enumerate(bitmaps.sets):
+        for s in slots:
+            if s in where:
+                _fail(g, f"slot {s} is in buckets {where[s]} and {b}")
+            where[s] = b
+    for s in range(state.gpu_slots):
+        occupied = int(owner[s]) >= 0
+        if occupied != (s in where):
+            _fail(
+                g,
+                f"slot {s}: occupied is {occupied}, in a bucket is {not occupied}",
+            )
+        expected = bitmaps.bucket_of(stamps[s], ref) if occupied else None
+        if occupied and where[s] != expected:
+            _fail(g, f"slot {s} sits in bucket {where[s]}, its stamp {stamps[s]} says {expected}")
+    rebuilt = state.bits[g].clone()
+    PBLRUBits(state, g).store()
+    if not torch.equal(rebuilt, state.bits[g]):
+        state.bits[g] = rebuilt
+        _fail(g, "a PB-LRU summary bit disagrees with the words below it")

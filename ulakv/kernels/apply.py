@@ -7,8 +7,9 @@ Per chunk, in this order (the ordering rule of DESIGN section 3):
    has none yet). A swap writes the victim into the CPU slot the miss vacated, so both rows are
    loaded before either is stored. A write also stores the new rows of its layer here.
 2. **Mapping.** Only then do the mapping table and the slot owners change.
-3. **Recency.** Every distinct GPU-resident address of the call is appended to the LRU queue with
-   a new version; older pairs of the same slot turn stale.
+3. **Recency** (exact LRU). Every distinct GPU-resident address of the call is appended to the LRU
+   queue with a new version; older pairs of the same slot turn stale. (PB-LRU moved hits to the
+   current bucket in the lookup and new entries in the plan.)
 4. **Output.** ``slots`` for every element (a duplicate finds its first occurrence's slot through
    the victim list, which the plan wrote before this launch), or the rows of a write for entries
    that were already homed.
@@ -60,6 +61,7 @@ def apply_kernel(
     write_layer,
     slots_ptr,
     WRITE: tl.constexpr,
+    POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
     WORDS: tl.constexpr,
@@ -149,12 +151,13 @@ def apply_kernel(
         moved_slot = moved & (j0 < V)
         slot = tl.where(on_gpu, home, tl.load(victims_ptr + j0, mask=moved_slot, other=-1))
         slot = tl.where(on_gpu | moved_slot, slot, -1)
-        appended = first & (on_gpu | moved_slot)
-        q_pos = (q_off + tl.cumsum(appended.to(tl.int64), axis=0) - 1) % Qcap
-        version = tl.load(ver_ptr + slot, mask=appended, other=0) + 1
-        tl.store(ver_ptr + slot, version, mask=appended)
-        tl.store(q_slot_ptr + q_pos, slot, mask=appended)
-        tl.store(q_ver_ptr + q_pos, version, mask=appended)
+        if POLICY == K.EXACT_LRU:  # PB-LRU recorded recency in lookup and plan
+            appended = first & (on_gpu | moved_slot)
+            q_pos = (q_off + tl.cumsum(appended.to(tl.int64), axis=0) - 1) % Qcap
+            version = tl.load(ver_ptr + slot, mask=appended, other=0) + 1
+            tl.store(ver_ptr + slot, version, mask=appended)
+            tl.store(q_slot_ptr + q_pos, slot, mask=appended)
+            tl.store(q_ver_ptr + q_pos, version, mask=appended)
 
         # -- 4: output ---------------------------------------------------------------------------
         if WRITE:
@@ -222,6 +225,7 @@ def apply(st, g: int, scratch, flat, layers: range, rows, write_layer: int, slot
         write_layer - layers.start,
         scratch.victims if write else slots,
         WRITE=write,
+        POLICY=st.policy,
         CHUNK=K.CHUNK,
         ROWS=ROWS,
         WORDS=K.next_pow2(W),
@@ -283,7 +287,7 @@ def apply_reference(st, g: int, scratch, flat, layers: range, rows, write_layer:
                 p0 = int(scratch.first_pos[pos])
                 j0 = int(scratch.chunk_off[p0 // C, 0]) + int(scratch.miss_rank[p0])
                 slot = int(scratch.victims[j0]) if j0 < V else -1
-            if flags & int(K.F_FIRST) and slot >= 0:
+            if flags & int(K.F_FIRST) and slot >= 0 and st.policy == K.EXACT_LRU:
                 q = (q_off + appended) % Qcap
                 appended += 1
                 st.ver[g, slot] += 1

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ..policies import pblru
+from ..policies.pblru import PBLRUBits
 from . import common as K
 from ._triton import tl, triton
 
@@ -63,7 +65,17 @@ def classify_kernel(
     miss_pos_ptr,
     miss_rank_ptr,
     first_pos_ptr,
+    gctl_ptr,
+    bits_ptr,
+    BW,
+    lvl_ptr,
+    n_levels,
+    stamp_ptr,
+    R,
+    frontier_ptr,
+    frontier_size,
     WRITE: tl.constexpr,
+    POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -89,6 +101,16 @@ def classify_kernel(
     need = first & moved
     hit = first & on_gpu
     tl.store(mark_ptr + home, epoch, mask=hit)
+    if POLICY == K.PBLRU:
+        # Hits join the current round's bucket now, so the victim search never meets them. The
+        # claim already settled the status, so a call that will be refused touches nothing.
+        go = tl.load(ctl_ptr + K.E_STATUS) == 0
+        if not WRITE:
+            go = go & (tl.load(ctl_ptr + K.E_DISTINCT) <= G)
+        if go:
+            rnd = tl.load(gctl_ptr + K.G_ROUND)
+            cur = rnd if WRITE else rnd + 1
+            pblru.touch(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, cur, rnd + 1, home, hit)
     flags = (
         first.to(tl.int8) * K.F_FIRST
         + on_gpu.to(tl.int8) * K.F_GPU
@@ -110,10 +132,12 @@ def classify_kernel(
     tl.store(row + K.C_CPU_FIRST, tl.sum((first & on_cpu).to(tl.int32), axis=0))
 
 
-def lookup(sel, mapping, claim, mark, ctl, scratch, gpu_slots: int, write: bool) -> int:
-    """Launch claim + classify over the flat selection ``sel``; returns the number of launches."""
+def lookup(st, g: int, sel, scratch, write: bool) -> int:
+    """Launch claim + classify over the flat selection ``sel`` for group ``g`` of ``st`` (a
+    TieredState); returns the number of launches."""
     T = sel.numel()
     grid = (triton.cdiv(T, K.CHUNK),)
+    mapping, claim, mark, ctl, gpu_slots = st.mapping[g], st.claim, st.mark, st.ctl, st.gpu_slots
     N = mapping.numel()
     claim_kernel[grid](sel, T, N, mapping, claim, ctl, WRITE=write, CHUNK=K.CHUNK)
     classify_kernel[grid](
@@ -131,15 +155,19 @@ def lookup(sel, mapping, claim, mark, ctl, scratch, gpu_slots: int, write: bool)
         scratch.miss_pos,
         scratch.miss_rank,
         scratch.first_pos,
+        st.gctl[g],
+        *st.pblru_args(g),
         WRITE=write,
+        POLICY=st.policy,
         CHUNK=K.CHUNK,
     )
     return 2
 
 
-def lookup_reference(sel, mapping, claim, mark, ctl, scratch, gpu_slots: int, write: bool) -> None:
+def lookup_reference(st, g: int, sel, scratch, write: bool) -> None:
     """Plain-Python twin of :func:`lookup`: same inputs, same outputs, element by element."""
-    T, N, G, C = sel.numel(), mapping.numel(), gpu_slots, K.CHUNK
+    mapping, claim, mark, ctl = st.mapping[g], st.claim, st.mark, st.ctl
+    T, N, G, C = sel.numel(), mapping.numel(), st.gpu_slots, K.CHUNK
     epoch = int(ctl[int(K.E_EPOCH)])
     addrs = sel.tolist()
     homes = mapping.tolist()
@@ -191,3 +219,15 @@ def lookup_reference(sel, mapping, claim, mark, ctl, scratch, gpu_slots: int, wr
             counts[int(K.C_CPU_FIRST)] += first and on_cpu
         scratch.counts[chunk] = torch.tensor(counts, dtype=scratch.counts.dtype)
     ctl[int(K.E_STATUS)] |= status
+    go = status == 0 and (write or int(ctl[int(K.E_DISTINCT)]) <= G)
+    if st.policy == K.PBLRU and go:
+        rnd = int(st.gctl[g, int(K.G_ROUND)])
+        hits = [
+            int(scratch.home[p])
+            for p in range(T)
+            if int(scratch.flags[p]) & int(K.F_FIRST) and int(scratch.flags[p]) & int(K.F_GPU)
+        ]
+        bitmaps = PBLRUBits(st, g)
+        for slot in hits:
+            bitmaps.touch(slot, cur=rnd if write else rnd + 1, ref=rnd + 1)
+        bitmaps.store()

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..policies import pblru
+from ..policies.pblru import PBLRUBits
 from . import common as K
 from ._triton import tl, triton
 
@@ -59,7 +61,16 @@ def plan_kernel(
     chunk_off_ptr,
     group_row_bytes,
     layer_row_bytes,
+    bits_ptr,
+    BW,
+    lvl_ptr,
+    n_levels,
+    stamp_ptr,
+    R,
+    frontier_ptr,
+    frontier_size,
     WRITE: tl.constexpr,
+    POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -93,50 +104,85 @@ def plan_kernel(
             tl.store(victims_ptr + j, slot, mask=jm)
         n_free = n_free - k_free
 
-        # -- then the oldest unprotected entries of the LRU queue --------------------------------
         want = M - k_free
         got = tl.zeros((), dtype=tl.int64)
         scanned = tl.zeros((), dtype=tl.int64)
-        while (got < want) & (head < round_tail):
-            qi = head + ar
-            qm = qi < round_tail
-            s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
-            qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
-            live = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
-            take = live & (tl.load(mark_ptr + s, mask=qm, other=0) != epoch)
-            rank = tl.cumsum(take.to(tl.int64), axis=0)
-            take = take & (rank <= want - got)
-            tl.store(victims_ptr + k_free + got + rank - 1, s, mask=take)
-            n_take = tl.sum(take.to(tl.int64), axis=0)
-            last = tl.max(tl.where(take, qi, -1), axis=0)
-            done = got + n_take >= want
-            new_head = tl.where(done, last + 1, tl.minimum(head + BLOCK, round_tail))
-            scanned += new_head - head
-            head = new_head
-            got += n_take
+        round_reads = tl.zeros((), dtype=tl.int64)
+        if POLICY == K.EXACT_LRU:
+            # -- then the oldest unprotected entries of the LRU queue ---------------------------
+            while (got < want) & (head < round_tail):
+                qi = head + ar
+                qm = qi < round_tail
+                s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
+                qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
+                live = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
+                take = live & (tl.load(mark_ptr + s, mask=qm, other=0) != epoch)
+                rank = tl.cumsum(take.to(tl.int64), axis=0)
+                take = take & (rank <= want - got)
+                tl.store(victims_ptr + k_free + got + rank - 1, s, mask=take)
+                n_take = tl.sum(take.to(tl.int64), axis=0)
+                last = tl.max(tl.where(take, qi, -1), axis=0)
+                done = got + n_take >= want
+                new_head = tl.where(done, last + 1, tl.minimum(head + BLOCK, round_tail))
+                scanned += new_head - head
+                head = new_head
+                got += n_take
+        else:
+            # -- then PB-LRU's buckets: cold, then the ring oldest first, never the current one --
+            rnd = tl.load(gctl_ptr + K.G_ROUND)  # already advanced by a prepare
+            for i in range(0, R):
+                bucket = tl.where(i == 0, R, (rnd + i) % R).to(tl.int64)
+                if got < want:
+                    n_got, reads = pblru.take_victims(
+                        bits_ptr,
+                        bucket * BW,
+                        lvl_ptr,
+                        n_levels,
+                        want - got,
+                        frontier_ptr,
+                        frontier_size,
+                        victims_ptr + k_free + got,
+                        BLOCK,
+                    )
+                    got += n_got
+                    scanned += reads
         V = k_free + got
+        if POLICY == K.PBLRU:
+            # Every slot that receives an entry now belongs to the current round.
+            tl.debug_barrier()
+            for j0 in range(0, V, BLOCK):
+                j = j0 + ar
+                jm = j < V
+                slot = tl.load(victims_ptr + j, mask=jm, other=0)
+                pblru.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, rnd, slot, jm)
+            if not WRITE:
+                tl.debug_barrier()
+                round_reads = pblru.retire_bucket(
+                    bits_ptr, BW, lvl_ptr, n_levels, R, rnd, frontier_ptr, frontier_size, BLOCK
+                )
 
         # -- make room for this call's appends: compact stale pairs out of the ring --------------
         appends = H + V
-        if tail + appends - head > Qcap:
-            w = head
-            new_round_tail = head
-            r = head
-            while r < tail:
-                qi = r + ar
-                qm = qi < tail
-                s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
-                qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
-                keep = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
-                dst = (w + tl.cumsum(keep.to(tl.int64), axis=0) - 1) % Qcap
-                tl.debug_barrier()  # every lane has read its pair before any lane overwrites one
-                tl.store(q_slot_ptr + dst, s, mask=keep)
-                tl.store(q_ver_ptr + dst, qv, mask=keep)
-                new_round_tail += tl.sum((keep & (qi < round_tail)).to(tl.int64), axis=0)
-                w += tl.sum(keep.to(tl.int64), axis=0)
-                r += BLOCK
-            tail = w
-            round_tail = new_round_tail
+        if POLICY == K.EXACT_LRU:
+            if tail + appends - head > Qcap:
+                w = head
+                new_round_tail = head
+                r = head
+                while r < tail:
+                    qi = r + ar
+                    qm = qi < tail
+                    s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
+                    qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
+                    keep = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
+                    dst = (w + tl.cumsum(keep.to(tl.int64), axis=0) - 1) % Qcap
+                    tl.debug_barrier()  # every lane has read its pair before any lane overwrites one
+                    tl.store(q_slot_ptr + dst, s, mask=keep)
+                    tl.store(q_ver_ptr + dst, qv, mask=keep)
+                    new_round_tail += tl.sum((keep & (qi < round_tail)).to(tl.int64), axis=0)
+                    w += tl.sum(keep.to(tl.int64), axis=0)
+                    r += BLOCK
+                tail = w
+                round_tail = new_round_tail
 
         # -- per-chunk offsets: victim list, queue appends, CPU stack pops and pushes -------------
         m_run = tl.zeros((), dtype=tl.int64)
@@ -218,6 +264,7 @@ def plan_kernel(
             )
         tl.store(stats_ptr + K.S_VICTIMS, tl.load(stats_ptr + K.S_VICTIMS) + evicted)
         tl.store(stats_ptr + K.S_SEARCH_READS, tl.load(stats_ptr + K.S_SEARCH_READS) + scanned)
+        tl.store(stats_ptr + K.S_ROUND_READS, tl.load(stats_ptr + K.S_ROUND_READS) + round_reads)
 
     # -- always: publish the status, clear the accumulator, advance the epoch ---------------------
     tl.store(ctl_ptr + K.E_LAST_STATUS, status)
@@ -261,7 +308,9 @@ def plan(st, g: int, scratch, T: int, write: bool, group_row_bytes: int, layer_r
         scratch.chunk_off,
         group_row_bytes,
         layer_row_bytes,
+        *st.pblru_args(g),
         WRITE=write,
+        POLICY=st.policy,
         CHUNK=K.CHUNK,
         BLOCK=BLOCK,
     )
@@ -292,16 +341,33 @@ def plan_reference(
         k_free = min(M, n_free)
         victims = [int(st.gpu_free[g, n_free - 1 - j]) for j in range(k_free)]
         n_free -= k_free
-        scanned_from = head
-        while len(victims) < M and head < round_tail:
-            s = int(st.q_slot[g, head % Qcap])
-            live = int(st.q_ver[g, head % Qcap]) == int(st.ver[g, s])
-            if live and int(st.mark[s]) != epoch:
-                victims.append(s)
-            head += 1
+        scanned, round_reads = 0, 0
+        bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
+        if bitmaps is None:
+            scanned_from = head
+            while len(victims) < M and head < round_tail:
+                s = int(st.q_slot[g, head % Qcap])
+                live = int(st.q_ver[g, head % Qcap]) == int(st.ver[g, s])
+                if live and int(st.mark[s]) != epoch:
+                    victims.append(s)
+                head += 1
+            scanned = head - scanned_from
+        else:
+            rnd = int(gctl[int(K.G_ROUND)])
+            for i in range(bitmaps.R):
+                bucket = bitmaps.R if i == 0 else (rnd + i) % bitmaps.R
+                if len(victims) < M:
+                    got, reads = bitmaps.take(bucket, M - len(victims))
+                    victims += got
+                    scanned += reads
+            for slot in victims:
+                bitmaps.place(slot, rnd)
+            if not write:
+                round_reads = bitmaps.retire(rnd)
+            bitmaps.store()
         V = len(victims)
         scratch.victims[:V] = torch.tensor(victims, dtype=torch.int32)
-        if tail + H + V - head > Qcap:
+        if bitmaps is None and tail + H + V - head > Qcap:
             kept = [
                 (int(st.q_slot[g, i % Qcap]), int(st.q_ver[g, i % Qcap]), i)
                 for i in range(head, tail)
@@ -350,7 +416,8 @@ def plan_reference(
             stats[int(K.S_BYTES_IN)] += MC * group_row_bytes
             stats[int(K.S_BYTES_OUT)] += evicted * group_row_bytes
         stats[int(K.S_VICTIMS)] += evicted
-        stats[int(K.S_SEARCH_READS)] += head - scanned_from
+        stats[int(K.S_SEARCH_READS)] += scanned
+        stats[int(K.S_ROUND_READS)] += round_reads
     ctl[int(K.E_LAST_STATUS)] = status
     ctl[int(K.E_STATUS)] = 0
     ctl[int(K.E_DISTINCT)] = 0

@@ -7,6 +7,8 @@ result is deterministic. Not on the decode critical path: a request leaves once.
 
 from __future__ import annotations
 
+from ..policies import pblru
+from ..policies.pblru import PBLRUBits
 from . import common as K
 from ._triton import tl, triton
 
@@ -27,6 +29,13 @@ def release_kernel(
     G,
     C,
     num_groups,
+    bits_ptr,
+    BW,
+    lvl_ptr,
+    n_levels,
+    stamp_ptr,
+    R,
+    POLICY: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     ar = tl.arange(0, BLOCK)
@@ -45,6 +54,12 @@ def release_kernel(
             tl.store(gpu_free_ptr + g * G + g_rank, h, mask=on_gpu)
             tl.store(cpu_free_ptr + g * C + c_rank, h - G, mask=on_cpu)
             slot = g * G + h
+            if POLICY == K.PBLRU:
+                stamp = tl.load(stamp_ptr + slot, mask=on_gpu, other=0)
+                ref = tl.load(row + K.G_ROUND) + 1
+                bucket = pblru.bucket_of(stamp, ref, R).to(tl.int64)
+                group_bits = bits_ptr + g * (R + 1) * BW
+                pblru.clear_path(group_bits, bucket * BW, lvl_ptr, n_levels, h, on_gpu)
             tl.store(owner_ptr + slot, tl.full((BLOCK,), -1, tl.int32), mask=on_gpu)
             tl.store(ver_ptr + slot, tl.load(ver_ptr + slot, mask=on_gpu, other=0) + 1, mask=on_gpu)
             tl.store(map_ptr + g * N + a, tl.full((BLOCK,), -1, tl.int32), mask=im)
@@ -72,6 +87,13 @@ def release(addrs, state) -> int:
         state.gpu_slots,
         state.cpu_stack_size,
         state.num_groups,
+        state.bits,
+        state.bucket_words,
+        state.levels,
+        state.levels.numel() - 1,
+        state.stamp,
+        state.num_buckets,
+        POLICY=state.policy,
         BLOCK=BLOCK,
     )
     return 1
@@ -80,6 +102,8 @@ def release(addrs, state) -> int:
 def release_reference(addrs, state) -> None:
     G = state.gpu_slots
     for g in range(state.num_groups):
+        bitmaps = PBLRUBits(state, g) if state.policy == K.PBLRU else None
+        ref = int(state.gctl[g, int(K.G_ROUND)]) + 1
         gpu_top = int(state.gctl[g, int(K.G_GPU_FREE)])
         cpu_top = int(state.gctl[g, int(K.G_CPU_FREE)])
         for a in addrs.tolist():
@@ -89,9 +113,13 @@ def release_reference(addrs, state) -> None:
                 gpu_top += 1
                 state.owner[g, h] = -1
                 state.ver[g, h] += 1
+                if bitmaps is not None:
+                    bitmaps.clear(h, ref)
             elif h >= G:
                 state.cpu_free[g, cpu_top] = h - G
                 cpu_top += 1
             state.mapping[g, a] = -1
         state.gctl[g, int(K.G_GPU_FREE)] = gpu_top
         state.gctl[g, int(K.G_CPU_FREE)] = cpu_top
+        if bitmaps is not None:
+            bitmaps.store()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..config import PoolConfig
+from ..config import ExactLRU, PoolConfig
 from ..kernels import apply as apply_mod
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
@@ -20,6 +20,7 @@ from ..kernels import lookup as lookup_mod
 from ..kernels import plan as plan_mod
 from ..kernels import release as release_mod
 from ..kernels._triton import triton
+from ..policies.pblru import level_offsets
 
 
 def _fill_stack(stack: torch.Tensor, count: int) -> None:
@@ -40,6 +41,10 @@ class TieredState:
     q_ver: torch.Tensor  # int32 [groups, 2G]
     gpu_free: torch.Tensor  # int32 [groups, G]: stack of free GPU slots
     cpu_free: torch.Tensor  # int32 [groups, max(C, 1)]: stack of free CPU slots
+    stamp: torch.Tensor  # int32 [groups, G]: PB-LRU, round a slot was last used
+    bits: torch.Tensor  # int32 [groups, (buckets + 1) * bucket_words]: PB-LRU bitmaps + summaries
+    levels: torch.Tensor  # int64 [levels + 1]: word offset of each summary level in a bucket
+    frontier: torch.Tensor  # int32 [2, leaf words]: PB-LRU search scratch
     gctl: torch.Tensor  # int64 [groups, GCTL_WORDS]
     ctl: torch.Tensor  # int64 [CTL_WORDS]: call-scoped scratch and the pending error
     stats: torch.Tensor  # int64 [STATS_WORDS]: cumulative counters
@@ -50,7 +55,18 @@ class TieredState:
 
     # State that says where entries live and what the policy knows: what a failed call must not
     # change, and what a pool with no requests resets to.
-    RESIDENCY = ("mapping", "owner", "ver", "q_slot", "q_ver", "gpu_free", "cpu_free", "gctl")
+    RESIDENCY = (
+        "mapping",
+        "owner",
+        "ver",
+        "q_slot",
+        "q_ver",
+        "gpu_free",
+        "cpu_free",
+        "stamp",
+        "bits",
+        "gctl",
+    )
 
     @classmethod
     def allocate(cls, config: PoolConfig) -> TieredState:
@@ -60,12 +76,22 @@ class TieredState:
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         pin = device.type == "cuda"
+        lru = isinstance(layout.policy, ExactLRU)
+        # Each policy's own state; the other policy's arguments get one-word stand-ins.
+        ring = 2 * G if lru else 1
+        offsets = [0, 1] if lru else level_offsets(G)
+        bucket_words = offsets[-1]
+        buckets = 0 if lru else layout.policy.num_buckets
         state = cls(
             mapping=torch.empty((groups, N), **i32),
             owner=torch.empty((groups, G), **i32),
             ver=torch.empty((groups, G), **i32),
-            q_slot=torch.empty((groups, 2 * G), **i32),
-            q_ver=torch.empty((groups, 2 * G), **i32),
+            q_slot=torch.empty((groups, ring), **i32),
+            q_ver=torch.empty((groups, ring), **i32),
+            stamp=torch.empty((groups, G if not lru else 1), **i32),
+            bits=torch.empty((groups, (buckets + 1) * bucket_words), **i32),
+            levels=torch.tensor(offsets, **i64),
+            frontier=torch.empty((2, offsets[1]), **i32),
             gpu_free=torch.empty((groups, G), **i32),
             cpu_free=torch.empty((groups, max(C, 1)), **i32),
             gctl=torch.empty((groups, K.GCTL_WORDS), **i64),
@@ -89,6 +115,8 @@ class TieredState:
         self.ver.zero_()
         self.q_slot.zero_()
         self.q_ver.zero_()
+        self.stamp.zero_()
+        self.bits.zero_()
         _fill_stack(self.gpu_free, self.gpu_slots)
         _fill_stack(self.cpu_free, self.cpu_slots)
         self.gctl.zero_()
@@ -110,6 +138,34 @@ class TieredState:
     @property
     def num_groups(self) -> int:
         return self.mapping.shape[0]
+
+    @property
+    def policy(self) -> int:
+        """K.EXACT_LRU or K.PBLRU, as the kernels' POLICY constexpr."""
+        return K.EXACT_LRU if self.q_slot.shape[1] > 1 else K.PBLRU
+
+    @property
+    def num_buckets(self) -> int:
+        """PB-LRU ring size (0 under exact LRU)."""
+        return self.bits.shape[1] // self.bucket_words - 1
+
+    @property
+    def bucket_words(self) -> int:
+        return 1 if self.policy == K.EXACT_LRU else level_offsets(self.gpu_slots)[-1]
+
+    def pblru_args(self, g: int) -> tuple:
+        """Arguments every kernel takes for PB-LRU (stand-ins under exact LRU), in kernel order:
+        bits, bucket words, level offsets, number of levels, stamps, ring size, frontier, its size."""
+        return (
+            self.bits[g],
+            self.bucket_words,
+            self.levels,
+            self.levels.numel() - 1,  # summary levels, leaf included
+            self.stamp[g],
+            self.num_buckets,
+            self.frontier,
+            self.frontier.shape[1],
+        )
 
     @property
     def num_addresses(self) -> int:
@@ -212,9 +268,7 @@ class TieredLayout:
         scratch = self.scratch(T)
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
-        launches = kernels.lookup(
-            flat, st.mapping[group], st.claim, st.mark, st.ctl, scratch, st.gpu_slots, write
-        )
+        launches = kernels.lookup(st, group, flat, scratch, write)
         launches += kernels.plan(st, group, scratch, T, write, len(layers) * width, width)
         slots = None if write else torch.empty(T, dtype=torch.int32, device=flat.device)
         words = K.as_words(rows) if write else None

@@ -1,5 +1,5 @@
-"""Invariant 7: the pool's exact LRU makes the same hits, misses and victims as the plain model,
-step for step, on traces with locality, speculative duplicates, new tokens and releases."""
+"""Invariant 7 and its PB-LRU twin: the pool makes the same hits, misses and victims as the plain
+policy model, step for step, on traces with locality, speculative duplicates, new tokens, releases."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import pytest
 import torch
 from helpers import random_rows, small_pool
 
-from ulakv.policies import ExactLRUModel
+from ulakv import PBLRU, ExactLRU
+from ulakv.policies import ExactLRUModel, PBLRUModel
+
+POLICIES = [
+    ("exact-lru", ExactLRU(), lambda gpu: ExactLRUModel(gpu)),
+    ("pblru2", PBLRU(2), lambda gpu: PBLRUModel(gpu, 2)),
+    ("pblru4", PBLRU(4), lambda gpu: PBLRUModel(gpu, 4)),
+]
 
 
 def gpu_resident(pool, group: int, addrs: list[int]) -> set[int]:
@@ -24,13 +31,14 @@ def gpu_resident(pool, group: int, addrs: list[int]) -> set[int]:
     [(1, 4, 12, 1), (2, 7, 20, 2), (3, 13, 9, 2), (4, 3, 30, 1)],
     ids=["g4-c12", "g7-c20-2layers", "g13-c9-2layers", "g3-c30"],
 )
-def test_pool_matches_exact_lru_model(seed, gpu, cpu, per_group) -> None:
-    pool = small_pool(gpu, cpu, bytes_per_layer=4, num_layers=2, layers_per_group=per_group)
-    models = [ExactLRUModel(gpu) for _ in range(pool.num_groups)]
+@pytest.mark.parametrize(("policy", "model"), [p[1:] for p in POLICIES], ids=[p[0] for p in POLICIES])
+def test_pool_matches_policy_model(seed, gpu, cpu, per_group, policy, model) -> None:
+    pool = small_pool(gpu, cpu, bytes_per_layer=4, num_layers=2, layers_per_group=per_group, policy=policy)
+    models = [model(gpu) for _ in range(pool.num_groups)]
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     seqs: list = []
     homed: set[tuple[int, int]] = set()  # (group, address) with a home
-    for _ in range(40):
+    for _ in range(30):
         live = [a for s in seqs for a in s._addresses]
         op = rng.random()
         if op < 0.25 and pool.free_addresses:

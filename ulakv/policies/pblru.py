@@ -1,0 +1,361 @@
+"""PB-LRU, parallel bucketed LRU: recency kept per round in bitmaps, searched through summaries.
+
+Every GPU slot used in a round gets that round's bit. A group keeps a ring of ``num_buckets``
+bucket bitmaps (the current round's and the ``num_buckets - 1`` before it) plus one cold bitmap. A
+slot's bucket follows from the round it was last used (``stamp``): within the ring, bucket
+``stamp % num_buckets``; older, cold. So advancing a round moves no bit: at the end of a round the
+bucket about to be reused is OR-ed into cold (cost: its non-empty words) and cleared.
+
+Each bitmap carries summary levels (one bit per 32-bit word below, recursively, up to one word), so
+finding the first ``k`` set bits reads about ``k x levels`` words however large the pool (16 K slots:
+3 levels, 4 M slots: 5). Victims: free slots, then cold, then the ring oldest first; never the current
+round's bucket, where this round's hits already sit (they are moved there before victims are sought).
+
+This module holds the device helpers (``@triton.jit`` functions the pool's fused kernels call) and
+``PBLRUModel``, the plain model they must match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..kernels._triton import tl, triton
+
+
+def level_offsets(gpu_slots: int) -> list[int]:
+    """Word offsets of each level of one bucket, leaf first, plus the bucket's total word count."""
+    offsets, words = [0], -(-gpu_slots // 32)
+    while True:
+        offsets.append(offsets[-1] + words)
+        if words == 1:
+            return offsets
+        words = -(-words // 32)
+
+
+@triton.jit
+def _bit(idx):
+    return (1 << (idx % 32)).to(tl.int32)
+
+
+@triton.jit
+def set_path(bits_ptr, base, lvl_ptr, n_levels, first_level, idx, mask):
+    """Set bit ``idx`` of level ``first_level`` and the summary bits above it (idempotent)."""
+    for level in range(first_level, n_levels):
+        word = idx // 32
+        tl.atomic_or(bits_ptr + base + tl.load(lvl_ptr + level) + word, _bit(idx), mask=mask)
+        idx = word
+
+
+@triton.jit
+def clear_path(bits_ptr, base, lvl_ptr, n_levels, idx, mask):
+    """Clear leaf bit ``idx``; a word that becomes empty clears its bit one level up, and so on.
+    Atomics make the last clearer of a word, and only it, go up."""
+    for level in range(0, n_levels):
+        word = idx // 32
+        bit = _bit(idx)
+        old = tl.atomic_and(bits_ptr + base + tl.load(lvl_ptr + level) + word, ~bit, mask=mask)
+        mask = mask & ((old & ~bit) == 0)
+        idx = word
+
+
+@triton.jit
+def bucket_of(stamp, ref, R):
+    """Physical bucket of a slot last used in round ``stamp``. ``ref`` is one past the last round
+    whose end was processed: rounds up to ``ref - R`` have been merged into cold (index ``R``).
+    During a prepare of round r (before its end) ``ref = r``; between rounds r and r+1, ``r + 1``."""
+    return tl.where(ref - stamp < R, stamp % R, R)
+
+
+@triton.jit
+def touch(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, cur, ref, slot, mask):
+    """Move ``slot`` to round ``cur``'s bucket (no-op if it is there already)."""
+    stamp = tl.load(stamp_ptr + slot, mask=mask, other=0)
+    move = mask & (stamp != cur)
+    clear_path(bits_ptr, bucket_of(stamp, ref, R).to(tl.int64) * BW, lvl_ptr, n_levels, slot, move)
+    set_path(bits_ptr, (cur % R).to(tl.int64) * BW, lvl_ptr, n_levels, 0, slot, move)
+    tl.store(stamp_ptr + slot, cur.to(tl.int32), mask=move)
+
+
+@triton.jit
+def place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, cur, slot, mask):
+    """A slot that just got a new entry (its old bits, if any, are already cleared)."""
+    set_path(bits_ptr, (cur % R).to(tl.int64) * BW, lvl_ptr, n_levels, 0, slot, mask)
+    tl.store(stamp_ptr + slot, cur.to(tl.int32), mask=mask)
+
+
+@triton.jit
+def leaf_words(bits_ptr, base, lvl_ptr, n_levels, limit, buf_ptr, buf_size, BLOCK: tl.constexpr):
+    """Indices of the first ``limit`` non-empty leaf words of a bucket, ascending, descending the
+    summaries level by level. Each non-empty word holds at least one set bit, so keeping ``limit``
+    words a level is enough. Returns (count, location of the list, words read)."""
+    FB: tl.constexpr = BLOCK // 32
+    lane = tl.arange(0, BLOCK)
+    row, sub = lane // 32, lane % 32
+    tl.store(buf_ptr, 0)  # the top level is one word, word 0
+    tl.debug_barrier()
+    n = tl.full((), 1, tl.int64)
+    reads = tl.zeros((), dtype=tl.int64)
+    for i in range(0, n_levels - 1):
+        level = n_levels - 1 - i
+        src = buf_ptr + (i % 2) * buf_size
+        dst = buf_ptr + ((i + 1) % 2) * buf_size
+        off = tl.load(lvl_ptr + level)
+        m = tl.zeros((), dtype=tl.int64)
+        f0 = tl.zeros((), dtype=tl.int64)
+        while (f0 < n) & (m < limit):
+            fi = f0 + row
+            fm = fi < n
+            widx = tl.load(src + fi, mask=fm, other=0)
+            word = tl.load(bits_ptr + base + off + widx, mask=fm, other=0)
+            hit = fm & (((word >> sub) & 1) != 0)
+            rank = m + tl.cumsum(hit.to(tl.int64), axis=0) - 1
+            keep = hit & (rank < limit)
+            tl.store(dst + rank, widx * 32 + sub, mask=keep)
+            m += tl.sum(keep.to(tl.int64), axis=0)
+            reads += tl.minimum(n - f0, FB)
+            f0 += FB
+        tl.debug_barrier()
+        n = m
+    return n, buf_ptr + ((n_levels - 1) % 2) * buf_size, reads
+
+
+@triton.jit
+def take_victims(bits_ptr, base, lvl_ptr, n_levels, limit, buf_ptr, buf_size, out_ptr, BLOCK: tl.constexpr):
+    """The first ``limit`` set slots of a bucket, ascending, written to ``out_ptr`` and cleared from
+    the bucket. Returns (count, words read)."""
+    FB: tl.constexpr = BLOCK // 32
+    lane = tl.arange(0, BLOCK)
+    row, sub = lane // 32, lane % 32
+    n, words_ptr, reads = leaf_words(bits_ptr, base, lvl_ptr, n_levels, limit, buf_ptr, buf_size, BLOCK)
+    got = tl.zeros((), dtype=tl.int64)
+    f0 = tl.zeros((), dtype=tl.int64)
+    while (f0 < n) & (got < limit):
+        fi = f0 + row
+        fm = fi < n
+        widx = tl.load(words_ptr + fi, mask=fm, other=0)
+        word = tl.load(bits_ptr + base + widx, mask=fm, other=0)
+        hit = fm & (((word >> sub) & 1) != 0)
+        rank = got + tl.cumsum(hit.to(tl.int64), axis=0) - 1
+        keep = hit & (rank < limit)
+        slot = widx * 32 + sub
+        tl.store(out_ptr + rank, slot, mask=keep)
+        tl.debug_barrier()  # every lane has read its word before any bit of it is cleared
+        clear_path(bits_ptr, base, lvl_ptr, n_levels, slot, keep)
+        got += tl.sum(keep.to(tl.int64), axis=0)
+        reads += tl.minimum(n - f0, FB)
+        f0 += FB
+    return got, reads
+
+
+@triton.jit
+def retire_bucket(bits_ptr, BW, lvl_ptr, n_levels, R, cur, buf_ptr, buf_size, BLOCK: tl.constexpr):
+    """End of round ``cur``: the bucket of round ``cur - R + 1`` (next round's bucket) becomes cold.
+    Reads its non-empty words only, plus its summary levels. Returns words read."""
+    lane = tl.arange(0, BLOCK)
+    old_base = ((cur + 1) % R).to(tl.int64) * BW
+    cold_base = R.to(tl.int64) * BW
+    leaf_count = tl.load(lvl_ptr + 1)
+    n, words_ptr, reads = leaf_words(
+        bits_ptr, old_base, lvl_ptr, n_levels, leaf_count, buf_ptr, buf_size, BLOCK
+    )
+    for f0 in range(0, n, BLOCK):
+        fm = f0 + lane < n
+        widx = tl.load(words_ptr + f0 + lane, mask=fm, other=0)
+        word = tl.load(bits_ptr + old_base + widx, mask=fm, other=0)
+        tl.atomic_or(bits_ptr + cold_base + widx, word, mask=fm)
+        set_path(bits_ptr, cold_base, lvl_ptr, n_levels, 1, widx, fm)
+        tl.store(bits_ptr + old_base + widx, tl.zeros((BLOCK,), tl.int32), mask=fm)
+        reads += tl.sum(fm.to(tl.int64), axis=0)
+    for w0 in range(leaf_count, BW, BLOCK):  # summaries: a few words per 1024 slots
+        tl.store(bits_ptr + old_base + w0 + lane, tl.zeros((BLOCK,), tl.int32), mask=w0 + lane < BW)
+    return reads
+
+
+class PBLRUModel:
+    """Plain model of PB-LRU for one layer group: which addresses are GPU-resident, in which bucket.
+
+    Same interface as ``ExactLRUModel``. Ties inside a bucket go to the lower GPU slot, so the model
+    tracks slots: free slots are handed out in the order the pool's free stack does.
+    """
+
+    def __init__(self, gpu_slots: int, num_buckets: int) -> None:
+        self.gpu_slots, self.R = gpu_slots, num_buckets
+        self.round = 0
+        self.slot_of: dict[int, int] = {}  # address -> slot
+        self.stamp: dict[int, int] = {}  # slot -> round of last use
+        self.cold: set[int] = set()  # slots merged into cold
+        self.free: list[int] = list(range(gpu_slots - 1, -1, -1))  # stack, top = end
+
+    @property
+    def order(self) -> dict[int, int]:
+        """Resident addresses (for the same checks as ExactLRUModel.order)."""
+        return dict(self.slot_of)
+
+    def resident(self, address: int) -> bool:
+        return address in self.slot_of
+
+    def bucket_age(self, slot: int) -> int:
+        """0 = current round ... R-1 = oldest ring bucket, R = cold."""
+        if slot in self.cold:
+            return self.R
+        return self.round - self.stamp[slot]
+
+    def _use(self, slot: int) -> None:
+        self.cold.discard(slot)
+        self.stamp[slot] = self.round
+
+    def _victims(self, count: int) -> list[int]:
+        """Slots to evict: cold, then ring buckets oldest first, lowest slot first; never current."""
+        occupied = set(self.slot_of.values())
+        ranked = sorted((-self.bucket_age(s), s) for s in occupied if self.bucket_age(s) > 0)
+        return [s for _, s in ranked[:count]]
+
+    def _place(self, fresh: list[int], protected: set[int]) -> tuple[list[int], list[int]]:
+        n_free = min(len(fresh), len(self.free))
+        slots = [self.free.pop() for _ in range(n_free)]
+        owners = {s: a for a, s in self.slot_of.items()}
+        taken = self._victims(len(fresh) - n_free)
+        victims = [owners[s] for s in taken]
+        for a in victims:
+            del self.slot_of[a]
+        slots += taken
+        placed = fresh[: len(slots)]
+        for a, s in zip(placed, slots, strict=False):
+            self.slot_of[a] = s
+            self._use(s)
+        return placed, victims
+
+    def _distinct(self, addresses: Iterable[int]) -> list[int]:
+        return list(dict.fromkeys(a for a in addresses if a != -1))
+
+    def prepare(self, addresses: Iterable[int]) -> tuple[list[int], list[int], list[int]]:
+        self.round += 1
+        selected = self._distinct(addresses)
+        if len(selected) > self.gpu_slots:
+            raise ValueError("selection larger than the GPU tier")
+        hits = [a for a in selected if a in self.slot_of]
+        misses = [a for a in selected if a not in self.slot_of]
+        for a in hits:
+            self._use(self.slot_of[a])
+        _, victims = self._place(misses, set(hits))
+        self._end_round()
+        return hits, misses, victims
+
+    def _end_round(self) -> None:
+        retiring = self.round - self.R + 1
+        occupied = set(self.slot_of.values())
+        self.cold |= {s for s, st in self.stamp.items() if st == retiring and s in occupied}
+
+    def write(self, addresses: Iterable[int], new: set[int]) -> tuple[list[int], list[int]]:
+        written = self._distinct(addresses)
+        for a in written:
+            if a in self.slot_of:
+                self._use(self.slot_of[a])
+        return self._place([a for a in written if a in new], set())
+
+    def release(self, addresses: Iterable[int]) -> None:
+        for a in addresses:
+            s = self.slot_of.pop(a, None)
+            if s is not None:
+                self.cold.discard(s)
+                self.free.append(s)
+
+
+class PBLRUBits:
+    """Plain-Python twin of the device bitmaps of one group, for the kernels' references.
+
+    Holds one set of slots per bucket; ``store`` writes leaf words *and recomputes every summary
+    level from the leaves*, so a kernel that maintains summaries incrementally must agree with a
+    from-scratch rebuild. Searches count words read exactly as the device does (32 words a step).
+    """
+
+    FB = 32  # words a search step reads: the kernels' BLOCK (1024 lanes) / 32 bits
+
+    def __init__(self, st, g: int) -> None:
+        self.st, self.g = st, g
+        self.R = st.num_buckets
+        self.offsets = level_offsets(st.gpu_slots)
+        self.BW = self.offsets[-1]
+        words = st.bits[g].tolist()
+        self.sets: list[set[int]] = []
+        for b in range(self.R + 1):
+            leaf = words[b * self.BW : b * self.BW + self.offsets[1]]
+            self.sets.append({w * 32 + i for w, x in enumerate(leaf) for i in range(32) if (x >> i) & 1})
+        self.stamp = st.stamp[g]
+
+    def bucket_of(self, stamp: int, ref: int) -> int:
+        return stamp % self.R if ref - stamp < self.R else self.R
+
+    def touch(self, slot: int, cur: int, ref: int) -> None:
+        stamp = int(self.stamp[slot])
+        if stamp != cur:
+            self.sets[self.bucket_of(stamp, ref)].discard(slot)
+            self.sets[cur % self.R].add(slot)
+            self.stamp[slot] = cur
+
+    def place(self, slot: int, cur: int) -> None:
+        self.sets[cur % self.R].add(slot)
+        self.stamp[slot] = cur
+
+    def clear(self, slot: int, ref: int) -> None:
+        self.sets[self.bucket_of(int(self.stamp[slot]), ref)].discard(slot)
+
+    def _levels(self, bucket: int) -> list[list[int]]:
+        """Words of every level of a bucket, leaf first, rebuilt from its set."""
+        leaf = [0] * self.offsets[1]
+        for s in self.sets[bucket]:
+            leaf[s // 32] |= 1 << (s % 32)
+        levels = [leaf]
+        for lo, hi in zip(self.offsets[1:-1], self.offsets[2:], strict=True):
+            words = [0] * (hi - lo)
+            for i, x in enumerate(levels[-1]):
+                if x:
+                    words[i // 32] |= 1 << (i % 32)
+            levels.append(words)
+        return levels
+
+    def _leaf_words(self, levels: list[list[int]], limit: int) -> tuple[list[int], int]:
+        frontier, reads = [0], 0
+        for words in reversed(levels[1:]):
+            nxt, f0 = [], 0
+            while f0 < len(frontier) and len(nxt) < limit:
+                chunk = frontier[f0 : f0 + self.FB]
+                for w in chunk:
+                    nxt += [w * 32 + i for i in range(32) if (words[w] >> i) & 1]
+                reads += len(chunk)
+                f0 += self.FB
+            frontier = nxt[:limit]
+        return frontier, reads
+
+    def take(self, bucket: int, limit: int) -> tuple[list[int], int]:
+        """The first ``limit`` slots of ``bucket`` (removed from it) and the words read."""
+        levels = self._levels(bucket)
+        leaf_words, reads = self._leaf_words(levels, limit)
+        got, f0 = [], 0
+        while f0 < len(leaf_words) and len(got) < limit:
+            chunk = leaf_words[f0 : f0 + self.FB]
+            for w in chunk:
+                got += [w * 32 + i for i in range(32) if (levels[0][w] >> i) & 1]
+            reads += len(chunk)
+            f0 += self.FB
+        got = got[:limit]
+        self.sets[bucket] -= set(got)
+        return got, reads
+
+    def retire(self, cur: int) -> int:
+        """End of round ``cur``: next round's bucket joins cold. Returns words read."""
+        bucket = (cur + 1) % self.R
+        leaf_words, reads = self._leaf_words(self._levels(bucket), self.offsets[1])
+        self.sets[self.R] |= self.sets[bucket]
+        self.sets[bucket] = set()
+        return reads + len(leaf_words)
+
+    def store(self) -> None:
+        out = []
+        for b in range(self.R + 1):
+            for words in self._levels(b):
+                out += words
+        packed = torch.tensor(out, dtype=torch.int64)
+        self.st.bits[self.g] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
