@@ -21,3 +21,49 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 __all__ = ["INTERPRETED", "tl", "triton"]
+
+
+_language_core = tl.core  # with ``tl`` in this module's globals: every namespace the kernels use
+
+
+def _patch_language_once_per_launch() -> None:
+    """Interpreter speed-up, nothing else. The interpreter re-patches triton.language (five
+    ``inspect.getmembers`` scans, about 2 ms) at every call of a nested ``@triton.jit`` function, and
+    ``tl.sum``, ``tl.cumsum``, ``tl.max`` are such functions: most of an interpreted ``prepare`` went
+    there. Patch once per launch instead, covering both namespaces, and skip nested re-patching."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - a Triton without the interpreter module
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or getattr(original, "_ulakv", False):
+        return
+    depth = [0]
+
+    class _Nested:
+        def restore(self) -> None:
+            pass
+
+    def _anchor() -> None:  # its globals hold tl and tl.core
+        return None
+
+    def patch_lang(fn):
+        if depth[0]:
+            return _Nested()
+        scope = original(_anchor)
+        depth[0] += 1
+        restore = scope.restore
+
+        def restore_once() -> None:
+            depth[0] -= 1
+            restore()
+
+        scope.restore = restore_once
+        return scope
+
+    patch_lang._ulakv = True
+    interpreter._patch_lang = patch_lang
+
+
+if INTERPRETED:
+    _patch_language_once_per_launch()

@@ -29,15 +29,6 @@ BLOCK = 1024
 
 
 @triton.jit
-def _count_total(counts_ptr, P, which, BLOCK: tl.constexpr):
-    total = tl.zeros((), dtype=tl.int64)
-    for c0 in range(0, P, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        total += tl.sum(tl.load(counts_ptr + c * K.COUNT_WORDS + which, mask=c < P, other=0), axis=0)
-    return total
-
-
-@triton.jit
 def plan_kernel(
     home_ptr,
     counts_ptr,
@@ -77,11 +68,19 @@ def plan_kernel(
     ar = tl.arange(0, BLOCK)
     status = tl.load(ctl_ptr + K.E_STATUS)
     epoch = tl.load(ctl_ptr + K.E_EPOCH)
-    D = _count_total(counts_ptr, P, K.C_DISTINCT, BLOCK)
-    H = _count_total(counts_ptr, P, K.C_HITS, BLOCK)
-    M = _count_total(counts_ptr, P, K.C_NEED, BLOCK)
-    MC = _count_total(counts_ptr, P, K.C_NEED_CPU, BLOCK)
-    CF = _count_total(counts_ptr, P, K.C_CPU_FIRST, BLOCK)
+    D = tl.zeros((), dtype=tl.int64)
+    H = tl.zeros((), dtype=tl.int64)
+    M = tl.zeros((), dtype=tl.int64)
+    MC = tl.zeros((), dtype=tl.int64)
+    CF = tl.zeros((), dtype=tl.int64)
+    for c0 in range(0, P, BLOCK):
+        row = counts_ptr + (c0 + ar) * K.COUNT_WORDS
+        cm = c0 + ar < P
+        D += tl.sum(tl.load(row + K.C_DISTINCT, mask=cm, other=0), axis=0)
+        H += tl.sum(tl.load(row + K.C_HITS, mask=cm, other=0), axis=0)
+        M += tl.sum(tl.load(row + K.C_NEED, mask=cm, other=0), axis=0)
+        MC += tl.sum(tl.load(row + K.C_NEED_CPU, mask=cm, other=0), axis=0)
+        CF += tl.sum(tl.load(row + K.C_CPU_FIRST, mask=cm, other=0), axis=0)
     if not WRITE:
         if D > G:
             status = status | K.ST_TOO_LARGE

@@ -35,16 +35,13 @@ def level_offsets(gpu_slots: int) -> list[int]:
 
 
 @triton.jit
-def _bit(idx):
-    return (1 << (idx % 32)).to(tl.int32)
-
-
-@triton.jit
 def set_path(bits_ptr, base, lvl_ptr, n_levels, first_level, idx, mask):
     """Set bit ``idx`` of level ``first_level`` and the summary bits above it (idempotent)."""
     for level in range(first_level, n_levels):
         word = idx // 32
-        tl.atomic_or(bits_ptr + base + tl.load(lvl_ptr + level) + word, _bit(idx), mask=mask)
+        tl.atomic_or(
+            bits_ptr + base + tl.load(lvl_ptr + level) + word, (1 << (idx % 32)).to(tl.int32), mask=mask
+        )
         idx = word
 
 
@@ -54,7 +51,7 @@ def clear_path(bits_ptr, base, lvl_ptr, n_levels, idx, mask):
     Atomics make the last clearer of a word, and only it, go up."""
     for level in range(0, n_levels):
         word = idx // 32
-        bit = _bit(idx)
+        bit = (1 << (idx % 32)).to(tl.int32)
         old = tl.atomic_and(bits_ptr + base + tl.load(lvl_ptr + level) + word, ~bit, mask=mask)
         mask = mask & ((old & ~bit) == 0)
         idx = word
@@ -73,7 +70,8 @@ def touch(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, cur, ref, slot, mask):
     """Move ``slot`` to round ``cur``'s bucket (no-op if it is there already)."""
     stamp = tl.load(stamp_ptr + slot, mask=mask, other=0)
     move = mask & (stamp != cur)
-    clear_path(bits_ptr, bucket_of(stamp, ref, R).to(tl.int64) * BW, lvl_ptr, n_levels, slot, move)
+    bucket = tl.where(ref - stamp < R, stamp % R, R)  # bucket_of, inlined: nested calls are slow to interpret
+    clear_path(bits_ptr, bucket.to(tl.int64) * BW, lvl_ptr, n_levels, slot, move)
     set_path(bits_ptr, (cur % R).to(tl.int64) * BW, lvl_ptr, n_levels, 0, slot, move)
     tl.store(stamp_ptr + slot, cur.to(tl.int32), mask=move)
 
