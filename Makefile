@@ -19,7 +19,7 @@ demo: $(BIN)/.ready
 	$(BIN)/python -m ulakv.demo
 
 test: $(BIN)/.ready
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 lint: $(BIN)/.ready
 	$(BIN)/ruff check .

@@ -30,6 +30,9 @@ class ExactLRUModel:
     def resident(self, address: int) -> bool:
         return address in self.order
 
+    def residents(self) -> set[int]:
+        return set(self.order)
+
     def _distinct(self, addresses: Iterable[int]) -> list[int]:
         return list(dict.fromkeys(a for a in addresses if a != -1))
 

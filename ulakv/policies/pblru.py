@@ -194,6 +194,9 @@ class PBLRUModel:
     def resident(self, address: int) -> bool:
         return address in self.slot_of
 
+    def residents(self) -> set[int]:
+        return set(self.slot_of)
+
     def bucket_age(self, slot: int) -> int:
         """0 = current round ... R-1 = oldest ring bucket, R = cold."""
         if slot in self.cold:
@@ -357,3 +360,41 @@ class PBLRUBits:
                 out += words
         packed = torch.tensor(out, dtype=torch.int64)
         self.st.bits[self.g] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+@triton.jit
+def _search_kernel(
+    bits_ptr, lvl_ptr, n_levels, limit, buf_ptr, buf_size, out_ptr, stats_ptr, BLOCK: tl.constexpr
+):
+    got, reads = take_victims(bits_ptr, 0, lvl_ptr, n_levels, limit, buf_ptr, buf_size, out_ptr, BLOCK)
+    tl.store(stats_ptr, got)
+    tl.store(stats_ptr + 1, reads)
+
+
+def bucket_bits(occupied: torch.Tensor) -> torch.Tensor:
+    """One bucket's words (leaf and every summary level) for a boolean ``[slots]`` occupancy."""
+    levels = []
+    bits = occupied.to(torch.bool)
+    while True:
+        padded = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 32)).view(-1, 32).to(torch.int64)
+        words = (padded << torch.arange(32)).sum(1)
+        levels.append(torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
+        if words.numel() == 1:
+            return torch.cat(levels)
+        bits = words != 0
+
+
+def search(bucket: torch.Tensor, gpu_slots: int, count: int) -> tuple[torch.Tensor, int]:
+    """Take the first ``count`` slots of one bucket (``bucket_bits`` layout, cleared in place) with
+    the same device search the pool uses. Returns the slots and the words read; for benchmarks."""
+    offsets = level_offsets(gpu_slots)
+    device = bucket.device
+    levels = torch.tensor(offsets, dtype=torch.int64, device=device)
+    frontier = torch.empty(2 * offsets[1], dtype=torch.int32, device=device)
+    out = torch.full((max(count, 1),), -1, dtype=torch.int32, device=device)
+    stats = torch.zeros(2, dtype=torch.int64, device=device)
+    _search_kernel[(1,)](
+        bucket, levels, len(offsets) - 1, count, frontier, offsets[1], out, stats, BLOCK=1024
+    )
+    got, reads = stats.tolist()
+    return out[:got], reads

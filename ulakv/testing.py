@@ -1,0 +1,230 @@
+"""Property-test an eviction policy, ours or yours, in a few lines.
+
+A *policy* here is any object with this small interface (``ExactLRUModel``, ``PBLRUModel`` and
+``PoolPolicy``, the real kernels behind a one-group pool, all have it)::
+
+    gpu_slots: int
+    prepare(addresses) -> (hits, misses, victims)   # one round: make the distinct addresses resident
+    write(addresses, new) -> (new_on_gpu, victims)  # entries written in the current round
+    release(addresses) -> None
+    residents() -> set[int]
+
+``PolicyMachine`` drives a policy under test and a reference model with the same random requests
+(admit, write, speculative selections with duplicates and padding, release) and checks, after every
+step, DESIGN invariants:
+
+* 4: nothing selected or written in the current round is evicted in it; a selection ends resident;
+* 5: no victim is more recent than an entry kept, at the policy's granularity (``recency_class``:
+  exact rounds for LRU, ``min(age, num_buckets)`` for PB-LRU whose cold bucket has no order);
+* 7: hits, misses, victims and residents equal the model's, step for step.
+
+Use it like this::
+
+    class CheckMine(PolicyMachine):
+        gpu_slots = 6
+        def make_policy(self):
+            return MyPolicy(6)
+        def make_model(self):
+            return ExactLRUModel(6)
+
+    TestMine = CheckMine.TestCase  # collected by pytest; examples come from your hypothesis profile
+
+Strategies for pool configurations and selection traces come with it (``pool_configs``,
+``selections``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
+from .pool import Pool
+
+
+class PoolPolicy:
+    """The pool's own kernels seen as a policy: a one-group, one-layer pool whose CPU tier holds
+    everything, translated from the caller's addresses to the pool's."""
+
+    def __init__(self, policy: ExactLRU | PBLRU, gpu_slots: int, capacity: int = 512) -> None:
+        self.gpu_slots = gpu_slots
+        self.pool = Pool(
+            PoolConfig(
+                entry=EntrySpec(bytes_per_layer=4),
+                num_layers=1,
+                layout=Tiered(gpu_slots=gpu_slots, cpu_slots=capacity, policy=policy),
+            )
+        )
+        self._to_pool: dict[int, int] = {}
+        self._seqs: dict[int, object] = {}  # first address of an admitted batch -> its Sequence
+
+    def _resident_pool(self) -> dict[int, bool]:
+        ids = list(self._to_pool)
+        if not ids:
+            return {}
+        slots = self.pool.residency(0, torch.tensor([self._to_pool[i] for i in ids])).tolist()
+        return {i: s >= 0 for i, s in zip(ids, slots, strict=True)}
+
+    def residents(self) -> set[int]:
+        return {i for i, on_gpu in self._resident_pool().items() if on_gpu}
+
+    def write(self, addresses: list[int], new: set[int]) -> tuple[list[int], list[int]]:
+        fresh = [a for a in dict.fromkeys(addresses) if a in new and a not in self._to_pool]
+        if fresh:
+            seq = self.pool.admit(len(fresh))
+            self._to_pool.update(zip(fresh, seq._addresses, strict=True))
+            self._seqs[fresh[0]] = seq
+        before = self.residents()
+        targets = torch.tensor([self._to_pool[a] for a in addresses], dtype=torch.int64)
+        self.pool.write(0, targets, torch.zeros((len(addresses), 4), dtype=torch.uint8))
+        after = self.residents()
+        return [a for a in fresh if a in after], sorted(before - after)
+
+    def prepare(self, addresses: list[int]) -> tuple[list[int], list[int], list[int]]:
+        distinct = list(dict.fromkeys(a for a in addresses if a != -1))
+        before = self.residents()
+        sel = torch.tensor([[self._to_pool[a] if a != -1 else -1 for a in addresses]], dtype=torch.int64)
+        self.pool.prepare(0, sel)
+        after = self.residents()
+        hits = [a for a in distinct if a in before]
+        return hits, [a for a in distinct if a not in before], sorted(before - after)
+
+    def release(self, addresses: list[int]) -> None:
+        seq = self._seqs.pop(addresses[0])
+        if sorted(self._to_pool[a] for a in addresses) != sorted(seq._addresses):
+            raise ValueError("PoolPolicy releases whole admitted batches")
+        self.pool.release(seq)
+        for a in addresses:
+            del self._to_pool[a]
+
+
+def pool_configs(max_gpu_slots: int = 64, policies=None) -> st.SearchStrategy[PoolConfig]:
+    """Small valid tiered pool configurations (any policy), for tests of code that builds pools."""
+    policy = policies or st.one_of(st.just(ExactLRU()), st.builds(PBLRU, st.integers(2, 8)))
+    return st.builds(
+        lambda width, layers, per_group, gpu, cpu, pol: PoolConfig(
+            entry=EntrySpec(bytes_per_layer=width),
+            num_layers=layers,
+            layers_per_group=min(per_group, layers),
+            layout=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=pol),
+        ),
+        st.integers(1, 48),
+        st.integers(1, 4),
+        st.integers(1, 4),
+        st.integers(1, max_gpu_slots),
+        st.integers(0, 4 * max_gpu_slots),
+        policy,
+    )
+
+
+@st.composite
+def selections(draw, live: list[int], max_distinct: int, max_queries: int = 3, k: int = 8) -> list[int]:
+    """A flattened ``[queries, k]`` selection over ``live`` addresses: at most ``max_distinct``
+    distinct ones, overlapping query positions, duplicates and -1 padding."""
+    pool = draw(st.lists(st.sampled_from(live), min_size=1, max_size=max_distinct, unique=True))
+    queries = draw(st.integers(1, max_queries))
+    return [draw(st.sampled_from([*pool, -1])) for _ in range(queries * k)]
+
+
+def exact_ages(age: int) -> int:
+    return age
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Checks a policy against a model and invariants 4, 5, 7 (see the module docstring).
+    Subclass it, set ``gpu_slots``, and define ``make_policy``, ``make_model`` and, for a policy
+    coarser than exact LRU, ``recency_class``."""
+
+    gpu_slots = 6
+
+    def make_policy(self):  # pragma: no cover - subclasses say
+        raise NotImplementedError("PolicyMachine subclasses define make_policy()")
+
+    def make_model(self):  # pragma: no cover - subclasses say
+        raise NotImplementedError("PolicyMachine subclasses define make_model()")
+
+    recency_class: Callable[[int], int] = staticmethod(exact_ages)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = self.make_policy()
+        self.model = self.make_model()
+        self.batches: list[list[int]] = []
+        self.next_address = 0
+        self.round = 0
+        self.last_use: dict[int, int] = {}  # address -> round it was last selected or written on GPU
+
+    @initialize(n=st.integers(1, 12))
+    def start(self, n: int) -> None:
+        self._admit(n)
+
+    def _admit(self, n: int) -> None:
+        batch = list(range(self.next_address, self.next_address + n))
+        self.next_address += n
+        self.batches.append(batch)
+        self._write(batch, set(batch))
+
+    def _write(self, addresses: list[int], new: set[int]) -> None:
+        before = self.policy.residents()
+        got = self.policy.write(addresses, new)
+        want = self.model.write(addresses, new)
+        assert sorted(got[0]) == sorted(want[0]), f"new entries homed on the GPU: {got[0]} != {want[0]}"
+        self._check_victims(sorted(got[1]), sorted(want[1]), before, set(addresses))
+        for a in addresses:
+            if a in self.policy.residents():
+                self.last_use[a] = self.round
+
+    def _check_victims(self, got: list[int], want: list[int], before: set[int], used: set[int]) -> None:
+        assert got == want, f"victims {got} != model's {want}"  # invariant 7
+        used_now = {a for a, r in self.last_use.items() if r == self.round} | used
+        assert not set(got) & used_now, f"evicted {set(got) & used_now}, used this round"  # invariant 4
+        kept = (before - set(got)) - used_now
+        if got and kept:  # invariant 5
+            victim_class = min(self.recency_class(self.round - self.last_use[a]) for a in got)
+            kept_class = max(self.recency_class(self.round - self.last_use[a]) for a in kept)
+            assert victim_class >= kept_class, f"evicted class {victim_class} while class {kept_class} stayed"
+
+    @rule(n=st.integers(1, 8))
+    def admit(self, n: int) -> None:
+        self._admit(n)
+
+    @precondition(lambda self: self.batches)
+    @rule(data=st.data())
+    def write_again(self, data) -> None:
+        batch = data.draw(st.sampled_from(self.batches))
+        addresses = data.draw(st.lists(st.sampled_from(batch), min_size=1, max_size=4, unique=True))
+        self._write(addresses, set())
+
+    @precondition(lambda self: self.batches)
+    @rule(data=st.data())
+    def prepare(self, data) -> None:
+        live = [a for b in self.batches for a in b]
+        sel = data.draw(selections(live, self.policy.gpu_slots))
+        before = self.policy.residents()
+        self.round += 1
+        got = self.policy.prepare(sel)
+        want = self.model.prepare(sel)
+        assert list(got[0]) == list(want[0]) and list(got[1]) == list(want[1]), (
+            f"hits/misses {got[:2]} != {want[:2]}"
+        )
+        selected = {a for a in sel if a != -1}
+        self._check_victims(sorted(got[2]), sorted(want[2]), before, selected)
+        assert selected <= self.policy.residents(), "a selected address is not resident after prepare"
+        for a in selected:
+            self.last_use[a] = self.round
+
+    @precondition(lambda self: len(self.batches) > 1)
+    @rule(data=st.data())
+    def release(self, data) -> None:
+        batch = self.batches.pop(data.draw(st.integers(0, len(self.batches) - 1)))
+        self.policy.release(batch)
+        self.model.release(batch)
+        for a in batch:
+            self.last_use.pop(a, None)
+
+    @invariant()
+    def same_residents(self) -> None:
+        assert self.policy.residents() == self.model.residents()  # invariant 7
