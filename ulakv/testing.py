@@ -30,7 +30,7 @@ Use it like this::
     TestMine = CheckMine.TestCase  # collected by pytest; examples come from your hypothesis profile
 
 Strategies for pool configurations and selection traces come with it (``pool_configs``,
-``selections``).
+``selections``, ``trace_specs``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
 from .pool import Pool
+from .traces import SyntheticSpec
 
 
 class PoolPolicy:
@@ -127,6 +128,27 @@ def selections(draw, live: list[int], max_distinct: int, max_queries: int = 3, k
     pool = draw(st.lists(st.sampled_from(live), min_size=1, max_size=max_distinct, unique=True))
     queries = draw(st.integers(1, max_queries))
     return [draw(st.sampled_from([*pool, -1])) for _ in range(queries * k)]
+
+
+def trace_specs(max_requests: int = 4, max_steps: int = 8) -> st.SearchStrategy[SyntheticSpec]:
+    """Small synthetic-trace specifications (feed them to ``ulakv.traces.synthetic``)."""
+    return st.builds(
+        SyntheticSpec,
+        requests=st.integers(1, max_requests),
+        prompt=st.tuples(st.integers(16, 64), st.integers(64, 128)),
+        steps=st.integers(1, max_steps),
+        topk=st.sampled_from([8, 16, 32]),
+        queries=st.integers(1, 3),
+        groups=st.integers(1, 3),
+        window=st.integers(0, 8),
+        heavy=st.integers(0, 8),
+        drift=st.floats(0, 0.5),
+        far_reuse=st.floats(0, 1),
+        group_overlap=st.floats(0, 1),
+        query_overlap=st.floats(0, 1),
+        arrival_spread=st.integers(0, 4),
+        seed=st.integers(0, 2**16),
+    )
 
 
 def exact_ages(age: int) -> int:
