@@ -29,7 +29,8 @@ def compile_all(arch: int = 90) -> list[str]:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction, mangle_type
 
-    from ulakv import EntrySpec, Pool, PoolConfig, Tiered
+    from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+    from ulakv.policies.pblru import bucket_bits, search
 
     target = GPUTarget("cuda", arch, 32)
     compiled: dict[tuple, str] = {}
@@ -51,12 +52,12 @@ def compile_all(arch: int = 90) -> list[str]:
             compiled[key] = self.fn.__name__
 
     JITFunction.run = compile_instead_of_launch
-    for width in (656, 5):  # int32 words and raw bytes
+    for width, policy in ((656, ExactLRU()), (5, ExactLRU()), (656, PBLRU(4))):  # words, bytes
         cfg = PoolConfig(
             entry=EntrySpec(bytes_per_layer=width),
             num_layers=2,
             layers_per_group=2,
-            layout=Tiered(gpu_slots=8, cpu_slots=8),
+            layout=Tiered(gpu_slots=40, cpu_slots=8, policy=policy),
             validate=False,
         )
         pool = Pool(cfg)
@@ -67,6 +68,7 @@ def compile_all(arch: int = 90) -> list[str]:
         pool.prepare(0, seq.addresses.reshape(1, 1, 4))
         pool._layout.read(1, seq.addresses)
         pool.release(seq)
+    search(bucket_bits(torch.ones(40, dtype=torch.bool)), 40, 4)
     return sorted(set(compiled.values()))
 
 
