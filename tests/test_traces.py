@@ -67,3 +67,15 @@ def test_replay_reports_consistent_numbers(policy) -> None:
     assert result.hits + result.misses > 0
     assert 0 < result.hit_rate <= result.belady_hit_rate <= 1
     assert result.bytes_in_per_step * result.steps % 8 == 0
+
+
+@pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(3)], ids=["exact-lru", "pblru3"])
+def test_model_replay_equals_pool_replay(policy) -> None:
+    """The plain models decide exactly what the kernels decide, down to the bytes moved, so large
+    suites may replay on the models."""
+    trace = synthetic(SMALL)
+    gpu = int(trace.working_set() * 1.2)
+    pool = replay(trace, policy, gpu, bytes_per_layer=8, layers_per_group=2)
+    model = replay(trace, policy, gpu, bytes_per_layer=8, layers_per_group=2, backend="model")
+    for field in ("hits", "misses", "bytes_in_per_step", "bytes_out_per_step", "victims", "belady_hit_rate"):
+        assert getattr(pool, field) == getattr(model, field), field

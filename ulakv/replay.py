@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
+from .policies import ExactLRUModel, PBLRUModel
 from .pool import Pool
 from .traces import Trace
 
@@ -111,6 +112,104 @@ def belady_hits(events: list[tuple[str, list[int]]], capacity: int) -> tuple[int
     return hits, misses
 
 
+class _PoolTarget:
+    """Replay target: a real tiered pool (its kernels decide)."""
+
+    def __init__(self, cfg: PoolConfig) -> None:
+        self.pool = Pool(cfg)
+        self.cfg = cfg
+        self.seqs: dict[int, object] = {}
+        self.zeros = torch.zeros((1, cfg.entry.bytes_per_layer), dtype=torch.uint8, device=cfg.torch_device)
+
+    def _write(self, addresses: torch.Tensor) -> None:
+        rows = self.zeros.expand(addresses.numel(), -1)
+        for layer in range(self.cfg.num_layers):
+            self.pool.write(layer, addresses, rows)
+
+    def admit(self, key: int, n: int) -> list[int]:
+        seq = self.seqs[key] = self.pool.admit(n)
+        self._write(seq.addresses)
+        return list(seq._addresses)
+
+    def extend(self, keys: list[int]) -> list[int]:
+        new = torch.cat([self.pool.extend(self.seqs[k], 1) for k in keys])
+        self._write(new)
+        return new.tolist()
+
+    def prepare(self, group: int, rows: list[list[int]]) -> None:
+        self.pool.prepare(group, torch.tensor(rows, dtype=torch.int64, device=self.cfg.torch_device))
+
+    def release(self, key: int) -> None:
+        self.pool.release(self.seqs.pop(key))
+
+    def counters(self) -> dict[str, int]:
+        return self.pool.stats()
+
+
+class _ModelTarget:
+    """Replay target: the policies' plain models, one per group, with the pool's byte accounting.
+    Decides exactly what the kernels decide (tests hold the two replays equal), far faster."""
+
+    def __init__(self, cfg: PoolConfig) -> None:
+        slots, policy = cfg.layout.gpu_slots, cfg.layout.policy
+        make = (
+            (lambda: ExactLRUModel(slots))
+            if isinstance(policy, ExactLRU)
+            else (lambda: PBLRUModel(slots, policy.num_buckets))
+        )
+        self.cfg = cfg
+        self.models = [make() for _ in range(cfg.num_groups)]
+        self.addresses: dict[int, list[int]] = {}
+        self.next_address = 0
+        self.stats = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "victims"), 0)
+        self.stats.update(victim_search_reads=-1, round_upkeep_reads=-1)  # models do not count words
+
+    def _write(self, addresses: list[int]) -> None:
+        width = self.cfg.entry.bytes_per_layer
+        for group, model in enumerate(self.models):
+            layers = self.cfg.group_layers(group)
+            new = set(addresses)
+            for _ in layers:
+                _, victims = model.write(addresses, new)
+                new = set()
+                self.stats["victims"] += len(victims)
+                on_cpu = sum(1 for a in addresses if not model.resident(a))
+                self.stats["bytes_out"] += len(victims) * len(layers) * width + on_cpu * width
+
+    def admit(self, key: int, n: int) -> list[int]:
+        addrs = list(range(self.next_address, self.next_address + n))
+        self.next_address += n
+        self.addresses[key] = addrs
+        self._write(addrs)
+        return list(addrs)
+
+    def extend(self, keys: list[int]) -> list[int]:
+        new = []
+        for k in keys:
+            self.addresses[k].append(self.next_address)
+            new.append(self.next_address)
+            self.next_address += 1
+        self._write(new)
+        return new
+
+    def prepare(self, group: int, rows: list[list[int]]) -> None:
+        hits, misses, victims = self.models[group].prepare([a for row in rows for a in row])
+        row_bytes = len(self.cfg.group_layers(group)) * self.cfg.entry.bytes_per_layer
+        self.stats["hits"] += len(hits)
+        self.stats["misses"] += len(misses)
+        self.stats["bytes_in"] += len(misses) * row_bytes  # every entry was written: misses come from the CPU
+        self.stats["bytes_out"] += len(victims) * row_bytes
+        self.stats["victims"] += len(victims)
+
+    def release(self, key: int) -> None:
+        for model in self.models:
+            model.release(self.addresses[key])
+        del self.addresses[key]
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.stats)
+
+
 def replay(
     trace: Trace,
     policy: ExactLRU | PBLRU,
@@ -119,10 +218,12 @@ def replay(
     bytes_per_layer: int = 656,
     layers_per_group: int = 1,
     device: str = "cpu",
+    backend: str = "pool",
     on_step: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    """Run ``trace`` through a tiered pool whose CPU tier holds everything (capacity never binds),
-    with ``gpu_slots`` GPU slots per group and ``policy``."""
+    """Run ``trace`` with ``gpu_slots`` GPU slots per group and ``policy``; the CPU tier holds
+    everything, so capacity never binds. ``backend="pool"`` runs a real pool (its kernels);
+    ``"model"`` runs the policies' plain models, which decide the same (word counts excepted)."""
     groups = trace.groups
     total_tokens = sum(r.prompt_len + r.steps for r in trace.requests)
     cfg = PoolConfig(
@@ -133,49 +234,47 @@ def replay(
         device=device,
         validate=False,
     )
-    pool = Pool(cfg)
-    seqs: dict[int, object] = {}
+    if backend not in ("pool", "model"):
+        raise ValueError(f"backend must be 'pool' or 'model', got {backend!r}")
+    target = _PoolTarget(cfg) if backend == "pool" else _ModelTarget(cfg)
+    addresses: dict[int, list[int]] = {}
     events: list[list[tuple[str, list[int]]]] = [[] for _ in range(groups)]
-    zeros = torch.zeros(
-        (max(r.prompt_len for r in trace.requests), bytes_per_layer), dtype=torch.uint8, device=device
-    )
     prepares = 0
     for step in range(trace.horizon):
         active = []
         for i, r in enumerate(trace.requests):
             s = step - r.arrival
             if s == 0:
-                seq = seqs[i] = pool.admit(r.prompt_len)
-                for layer in range(cfg.num_layers):
-                    pool.write(layer, seq.addresses, zeros[: r.prompt_len])
+                addresses[i] = target.admit(i, r.prompt_len)
                 for g in range(groups):
-                    events[g].append(("write", list(seq._addresses)))
+                    events[g].append(("write", list(addresses[i])))
             if 0 <= s < r.steps:
                 active.append((i, s))
         if not active:
             continue
-        new = torch.cat([pool.extend(seqs[i], 1) for i, _ in active])
-        for layer in range(cfg.num_layers):
-            pool.write(layer, new, zeros[: new.numel()])
+        new = target.extend([i for i, _ in active])
+        for (i, _), a in zip(active, new, strict=True):
+            addresses[i].append(a)
         for g in range(groups):
-            events[g].append(("write", new.tolist()))
+            events[g].append(("write", new))
         for g in range(groups):
-            picks = []
+            rows = []
             for i, s in active:
-                pos = trace.requests[i].topk[s, g].to(torch.int64)
-                addrs = seqs[i].addresses
-                picks.append(torch.where(pos >= 0, addrs[pos.clamp(min=0)], -1))
-            sel = torch.stack(picks)
-            pool.prepare(g, sel)
+                own = addresses[i]
+                rows.append(
+                    [own[p] if p >= 0 else -1 for p in trace.requests[i].topk[s, g].flatten().tolist()]
+                )
+            target.prepare(g, rows)
             prepares += 1
-            per_request = [list(dict.fromkeys(a for a in row if a >= 0)) for row in sel.flatten(1).tolist()]
-            events[g].append(("select", [a for row in per_request for a in row]))
+            distinct = [list(dict.fromkeys(a for a in row if a >= 0)) for row in rows]
+            events[g].append(("select", [a for row in distinct for a in row]))
         for i, s in active:
             if s == trace.requests[i].steps - 1:
-                pool.release(seqs.pop(i))
+                target.release(i)
+                del addresses[i]
         if on_step is not None:
             on_step(step)
-    stats = pool.stats()
+    stats = target.counters()
     best_hits = best_misses = 0
     for g in range(groups):
         h, m = belady_hits(events[g], gpu_slots)
