@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from . import CapacityError, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from . import PBLRU, CapacityError, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
 
 
 def expected_rows(addrs: torch.Tensor, layer: int, width: int) -> torch.Tensor:
@@ -50,21 +50,21 @@ class RequestTrace:
         return rows
 
 
-def run(steps: int, seed: int) -> dict[str, float]:
+def run(steps: int, seed: int, policy: ExactLRU | PBLRU | None = None) -> dict[str, float]:
     width, layers, per_group, gpu_slots, cpu_slots = 656, 4, 2, 512, 3584
     k, queries = 64, 3
     cfg = PoolConfig(
         entry=EntrySpec(bytes_per_layer=width),
         num_layers=layers,
         layers_per_group=per_group,
-        layout=Tiered(gpu_slots=gpu_slots, cpu_slots=cpu_slots, policy=ExactLRU()),
+        layout=Tiered(gpu_slots=gpu_slots, cpu_slots=cpu_slots, policy=policy or ExactLRU()),
         device="cpu",
     )
     pool = Pool(cfg)
     rng = random.Random(seed)
     print(
         f"pool: {layers} layers in {pool.num_groups} groups, {width} B a token-layer, "
-        f"{gpu_slots} GPU + {cpu_slots} CPU slots = {pool.capacity} tokens"
+        f"{gpu_slots} GPU + {cpu_slots} CPU slots = {pool.capacity} tokens, {cfg.layout.policy}"
     )
 
     seqs, traces = [], []
@@ -139,8 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="ulakv demo: a tiered pool under memory pressure")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", choices=["lru", "pblru"], default="lru", help="exact LRU or PB-LRU(8)")
     args = parser.parse_args()
-    run(args.steps, args.seed)
+    run(args.steps, args.seed, ExactLRU() if args.policy == "lru" else PBLRU(8))
 
 
 if __name__ == "__main__":
