@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 KERNELS = [
+    "_search_kernel",
     "apply_kernel",
     "claim_kernel",
     "classify_kernel",
