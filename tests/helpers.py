@@ -45,3 +45,36 @@ def assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
             f"{where}{key}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
         )
         assert torch.equal(x, y), f"{where}{key} differs:\n{x}\n{y}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A view whose equality is bit equality (NaN payloads and -0.0 included)."""
+    t = t.detach().contiguous().reshape(-1)
+    if t.is_floating_point() or t.is_complex():
+        return t.view(torch.uint8)
+    return t
+
+
+def assert_same_state(
+    before: object, after: object, path: str = "state", ignore: tuple[str, ...] = ()
+) -> None:
+    """``state_dict()`` snapshots are bit-identical (the host-side launch counter excepted, and
+    keys containing any of ``ignore``)."""
+    if isinstance(before, dict):
+        assert isinstance(after, dict), path
+        assert before.keys() == after.keys(), f"{path}: keys changed"
+        for key in before:
+            if any(word in str(key) for word in ("launch", *ignore)):
+                continue
+            assert_same_state(before[key], after[key], f"{path}[{key!r}]", ignore)
+    elif isinstance(before, (list, tuple)):
+        assert isinstance(after, (list, tuple)) and len(before) == len(after), path
+        for i, (a, b) in enumerate(zip(before, after, strict=True)):
+            assert_same_state(a, b, f"{path}[{i}]", ignore)
+    elif isinstance(before, torch.Tensor):
+        assert isinstance(after, torch.Tensor), path
+        assert before.dtype == after.dtype, f"{path}: dtype {before.dtype} -> {after.dtype}"
+        assert before.shape == after.shape, f"{path}: shape {before.shape} -> {after.shape}"
+        assert torch.equal(_bits(before), _bits(after)), f"{path} changed"
+    else:
+        assert before == after, f"{path}: {before!r} -> {after!r}"

@@ -18,6 +18,7 @@ import itertools
 
 import pytest
 import torch
+from helpers import assert_same_state
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -39,35 +40,6 @@ from ulakv import (
 )
 
 INDEX_DTYPES = st.sampled_from([torch.int32, torch.int64])
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().reshape(-1)
-    if t.is_floating_point() or t.is_complex():
-        return t.view(torch.uint8)
-    return t
-
-
-def assert_same_state(before: object, after: object, path: str = "state") -> None:
-    """``state_dict()`` snapshots are bit-identical (the host-side launch counter excepted)."""
-    if isinstance(before, dict):
-        assert isinstance(after, dict), path
-        assert before.keys() == after.keys(), f"{path}: keys changed"
-        for key in before:
-            if "launch" in str(key):
-                continue
-            assert_same_state(before[key], after[key], f"{path}[{key!r}]")
-    elif isinstance(before, (list, tuple)):
-        assert isinstance(after, (list, tuple)) and len(before) == len(after), path
-        for i, (a, b) in enumerate(zip(before, after, strict=True)):
-            assert_same_state(a, b, f"{path}[{i}]")
-    elif isinstance(before, torch.Tensor):
-        assert isinstance(after, torch.Tensor), path
-        assert before.dtype == after.dtype, f"{path}: dtype {before.dtype} -> {after.dtype}"
-        assert before.shape == after.shape, f"{path}: shape {before.shape} -> {after.shape}"
-        assert torch.equal(_bits(before), _bits(after)), f"{path} changed"
-    else:
-        assert before == after, f"{path}: {before!r} -> {after!r}"
 
 
 class PoolMachine(RuleBasedStateMachine):

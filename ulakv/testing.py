@@ -161,17 +161,14 @@ class PolicyMachine(RuleBasedStateMachine):
     coarser than exact LRU, ``recency_class``."""
 
     gpu_slots = 6
-
-    def make_policy(self):  # pragma: no cover - subclasses say
-        raise NotImplementedError("PolicyMachine subclasses define make_policy()")
-
-    def make_model(self):  # pragma: no cover - subclasses say
-        raise NotImplementedError("PolicyMachine subclasses define make_model()")
+    # Subclasses define make_policy() and make_model(), each returning a policy object.
 
     recency_class: Callable[[int], int] = staticmethod(exact_ages)
 
     def __init__(self) -> None:
         super().__init__()
+        if not (hasattr(self, "make_policy") and hasattr(self, "make_model")):
+            raise TypeError(f"{type(self).__name__} must define make_policy() and make_model()")
         self.policy = self.make_policy()
         self.model = self.make_model()
         self.batches: list[list[int]] = []
