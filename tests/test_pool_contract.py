@@ -920,3 +920,18 @@ def test_exact_lru_victims_hand_worked() -> None:
     assert all(r >= 0 for r in where(a, c, d))
     assert_reads(pool, model, [a, b, c, d])
     pool.check_invariants()
+
+
+def test_admission_extend_and_release_never_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-step bookkeeping stays off the device's critical path too: host lists in, async copies."""
+    pool = make_pool(gpu=5, cpu=9, bpl=4, layers=2, lpg=1, validate=False)
+    with no_host_sync(monkeypatch):
+        seq = pool.admit(num_tokens=3)
+        new = pool.extend(seq, 2)
+        pool.write(0, new, torch.zeros((2, 4), dtype=torch.uint8))
+        other = pool.admit(num_tokens=4)
+        pool.release(seq)
+        pool.release(other)
+    assert new.tolist() == [3, 4]
+    assert pool.free_addresses == pool.capacity
+    pool.check_invariants()

@@ -29,6 +29,16 @@ UNHOMED = -2
 PADDING = -1  # in selections and writes
 
 
+def addresses_on(addresses: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of host-chosen addresses on ``device`` without stalling the host: to a GPU
+    through pinned memory and an asynchronous copy (the pinned block is not reused before the copy
+    is done: PyTorch's host allocator records the stream), so ``extend`` stays sync-free."""
+    host = torch.tensor(addresses, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(eq=False)
 class Sequence:
     """A request's handle: the logical addresses of its tokens, in position order."""
@@ -44,7 +54,7 @@ class Sequence:
     def addresses(self) -> torch.Tensor:
         """int64 tensor ``[len(self)]`` of logical addresses on the pool's device."""
         if self._tensor is None:
-            self._tensor = torch.tensor(self._addresses, dtype=torch.int64).to(self._device)
+            self._tensor = addresses_on(self._addresses, self._device)
         return self._tensor
 
     def __len__(self) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .address_space import UNHOMED, LogicalAllocator, Sequence
+from .address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from .config import PoolConfig
 from .errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
 from .invariants import check_invariants
@@ -101,7 +101,7 @@ class Pool:
         return self._home(seq, taken)
 
     def _home(self, seq: Sequence, taken: list[int]) -> torch.Tensor:
-        new = torch.tensor(taken, dtype=torch.int64).to(self.device)
+        new = addresses_on(taken, self.device)
         if taken:
             self._state.mapping[:, new] = UNHOMED
             seq._addresses.extend(taken)
