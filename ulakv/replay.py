@@ -17,6 +17,7 @@ import torch
 
 from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
 from .policies import ExactLRUModel, PBLRUModel
+from .policies.exact_lru import distinct
 from .pool import Pool
 from .traces import Trace
 
@@ -266,8 +267,7 @@ def replay(
                 )
             target.prepare(g, rows)
             prepares += 1
-            distinct = [list(dict.fromkeys(a for a in row if a >= 0)) for row in rows]
-            events[g].append(("select", [a for row in distinct for a in row]))
+            events[g].append(("select", [a for row in rows for a in distinct(row)]))
         for i, s in active:
             if s == trace.requests[i].steps - 1:
                 target.release(i)

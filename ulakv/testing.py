@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
+from .policies.exact_lru import distinct
 from .pool import Pool
 from .traces import SyntheticSpec
 
@@ -85,13 +86,13 @@ class PoolPolicy:
         return [a for a in fresh if a in after], sorted(before - after)
 
     def prepare(self, addresses: list[int]) -> tuple[list[int], list[int], list[int]]:
-        distinct = list(dict.fromkeys(a for a in addresses if a != -1))
+        selected = distinct(addresses)
         before = self.residents()
         sel = torch.tensor([[self._to_pool[a] if a != -1 else -1 for a in addresses]], dtype=torch.int64)
         self.pool.prepare(0, sel)
         after = self.residents()
-        hits = [a for a in distinct if a in before]
-        return hits, [a for a in distinct if a not in before], sorted(before - after)
+        hits = [a for a in selected if a in before]
+        return hits, [a for a in selected if a not in before], sorted(before - after)
 
     def release(self, addresses: list[int]) -> None:
         seq = self._seqs.pop(addresses[0])

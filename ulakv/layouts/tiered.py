@@ -30,8 +30,18 @@ def _fill_stack(stack: torch.Tensor, count: int) -> None:
         stack[:, :count] = torch.arange(count - 1, -1, -1, dtype=stack.dtype, device=stack.device)
 
 
+class _Tensors:
+    """A dataclass whose every field is a tensor: list them, copy them."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def clone(self):
+        return type(self)(**{k: v.clone() for k, v in self.tensors().items()})
+
+
 @dataclass(eq=False)
-class TieredState:
+class TieredState(_Tensors):
     """All device state of a tiered pool. Row ``g`` of each ``[groups, ...]`` tensor is group ``g``."""
 
     mapping: torch.Tensor  # int32 [groups, addresses]: see ulakv.address_space
@@ -171,15 +181,9 @@ class TieredState:
     def num_addresses(self) -> int:
         return self.mapping.shape[1]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def clone(self) -> TieredState:
-        return TieredState(**{k: v.clone() for k, v in self.tensors().items()})
-
 
 @dataclass(eq=False)
-class CallScratch:
+class CallScratch(_Tensors):
     """Per-call scratch, sized for up to ``capacity`` selection elements (grown, never shrunk)."""
 
     home: torch.Tensor  # int32 [cap]: mapping value at lookup
@@ -211,12 +215,6 @@ class CallScratch:
     @property
     def capacity(self) -> int:
         return self.home.numel()
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def clone(self) -> CallScratch:
-        return CallScratch(**{k: v.clone() for k, v in self.tensors().items()})
 
 
 @dataclass(frozen=True)

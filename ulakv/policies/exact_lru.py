@@ -19,6 +19,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 
+def distinct(addresses: Iterable[int]) -> list[int]:
+    """The addresses of a selection or write, padding dropped, each once, in first-seen order."""
+    return list(dict.fromkeys(a for a in addresses if a != -1))
+
+
 class ExactLRUModel:
     """Which addresses are GPU-resident, for one layer group, under exact LRU."""
 
@@ -32,9 +37,6 @@ class ExactLRUModel:
 
     def residents(self) -> set[int]:
         return set(self.order)
-
-    def _distinct(self, addresses: Iterable[int]) -> list[int]:
-        return list(dict.fromkeys(a for a in addresses if a != -1))
 
     def _evict(self, count: int, protected: set[int]) -> list[int]:
         victims = []
@@ -50,7 +52,7 @@ class ExactLRUModel:
     def prepare(self, addresses: Iterable[int]) -> tuple[list[int], list[int], list[int]]:
         """One round. Returns (hits, misses, victims), each in selection / eviction order."""
         self.round += 1
-        selected = self._distinct(addresses)
+        selected = distinct(addresses)
         if len(selected) > self.gpu_slots:
             raise ValueError("selection larger than the GPU tier")
         hits = [a for a in selected if a in self.order]
@@ -66,7 +68,7 @@ class ExactLRUModel:
         """A write in the current round. ``new`` are the written addresses without a home yet; they
         get a GPU slot while free or evictable ones last, else a CPU home. Written GPU entries become
         most recent, in order of first position. Returns (new entries homed on the GPU, victims)."""
-        written = self._distinct(addresses)
+        written = distinct(addresses)
         fresh = [a for a in written if a in new]
         hits = [a for a in written if a in self.order]
         free = self.gpu_slots - len(self.order)

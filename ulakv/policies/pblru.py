@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from ..kernels._triton import tl, triton
+from .exact_lru import distinct
 
 
 def level_offsets(gpu_slots: int) -> list[int]:
@@ -228,12 +229,9 @@ class PBLRUModel:
             self._use(s)
         return placed, victims
 
-    def _distinct(self, addresses: Iterable[int]) -> list[int]:
-        return list(dict.fromkeys(a for a in addresses if a != -1))
-
     def prepare(self, addresses: Iterable[int]) -> tuple[list[int], list[int], list[int]]:
         self.round += 1
-        selected = self._distinct(addresses)
+        selected = distinct(addresses)
         if len(selected) > self.gpu_slots:
             raise ValueError("selection larger than the GPU tier")
         hits = [a for a in selected if a in self.slot_of]
@@ -250,7 +248,7 @@ class PBLRUModel:
         self.cold |= {s for s, st in self.stamp.items() if st == retiring and s in occupied}
 
     def write(self, addresses: Iterable[int], new: set[int]) -> tuple[list[int], list[int]]:
-        written = self._distinct(addresses)
+        written = distinct(addresses)
         for a in written:
             if a in self.slot_of:
                 self._use(self.slot_of[a])
