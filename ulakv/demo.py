@@ -4,50 +4,27 @@
 
 Requests are admitted until the pool is full (admission is exact: GPU slots + CPU slots), prefilled,
 then decoded: every step appends a token to every request, writes its rows in every layer, and asks
-each layer group for a DSA-shaped top-k (attention sinks, a local window, slowly drifting heavy
-hitters, a few random far positions; three speculative query positions that overlap). Every slot
+each layer group for a DSA-shaped top-k from ``ulakv.traces.synthetic`` (attention sinks, a local
+window, slowly drifting heavy hitters, far positions; three speculative query positions that
+overlap). Every slot
 ``prepare`` returns is checked against the bytes written to that address, bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch
 
 from . import PBLRU, CapacityError, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from .traces import SyntheticSpec, synthetic
 
 
 def expected_rows(addrs: torch.Tensor, layer: int, width: int) -> torch.Tensor:
     """The bytes the demo writes for ``addrs`` in ``layer``: a fixed function, so no copy is kept."""
     cols = torch.arange(width, dtype=torch.int64, device=addrs.device)
     return ((addrs.to(torch.int64)[:, None] * 131 + layer * 29 + cols[None, :] * 7) % 251).to(torch.uint8)
-
-
-class RequestTrace:
-    """Top-k positions of one request, step after step, shaped like DSA's selections."""
-
-    def __init__(self, rng: random.Random, k: int) -> None:
-        self.rng, self.k = rng, k
-        self.heavy: list[int] = []
-
-    def select(self, length: int, queries: int) -> list[list[int]]:
-        rng, k = self.rng, self.k
-        sinks = list(range(min(4, length)))
-        window = list(range(max(0, length - k // 4), length))
-        while len(self.heavy) < k // 3:
-            self.heavy.append(rng.randrange(length))
-        for i in rng.sample(range(len(self.heavy)), 2):  # heavy hitters drift slowly
-            self.heavy[i] = rng.randrange(length)
-        shared = list(dict.fromkeys(sinks + window + self.heavy))
-        rows = []
-        for _ in range(queries):  # speculative query positions share most of their picks
-            far = [rng.randrange(length) for _ in range(k // 8)]
-            picks = list(dict.fromkeys(shared + far))[:k]
-            rows.append(picks + [-1] * (k - len(picks)))
-        return rows
 
 
 def run(steps: int, seed: int, policy: ExactLRU | PBLRU | None = None) -> dict[str, float]:
@@ -61,16 +38,20 @@ def run(steps: int, seed: int, policy: ExactLRU | PBLRU | None = None) -> dict[s
         device="cpu",
     )
     pool = Pool(cfg)
-    rng = random.Random(seed)
+    # More requests than fit: admission takes them in order until the next one would not.
+    spec = SyntheticSpec(
+        requests=8, prompt=(500, 800), steps=steps, topk=k, queries=queries, groups=pool.num_groups,
+        window=16, heavy=21, arrival_spread=0, seed=seed,
+    )  # fmt: skip
+    trace = synthetic(spec)
     print(
         f"pool: {layers} layers in {pool.num_groups} groups, {width} B a token-layer, "
         f"{gpu_slots} GPU + {cpu_slots} CPU slots = {pool.capacity} tokens, {cfg.layout.policy}"
     )
 
-    seqs, traces = [], []
-    while True:
-        want = rng.randint(500, 800)
-        if want + steps > pool.free_addresses - steps * len(seqs):
+    seqs = []
+    for request in trace.requests:
+        if request.prompt_len + steps > pool.free_addresses - steps * len(seqs):
             try:  # show that admission refuses cleanly, then keep room for decoding
                 probe = pool.admit(pool.free_addresses + 1)
             except CapacityError as err:
@@ -78,8 +59,7 @@ def run(steps: int, seed: int, policy: ExactLRU | PBLRU | None = None) -> dict[s
             else:  # pragma: no cover - admission beyond capacity must fail
                 raise AssertionError(f"admitted {len(probe)} tokens beyond capacity")
             break
-        seqs.append(pool.admit(want))
-        traces.append(RequestTrace(random.Random(rng.random()), k))
+        seqs.append(pool.admit(request.prompt_len))
 
     start = time.perf_counter()
     for seq in seqs:  # prefill: new tokens land on the GPU while it has room, then on the CPU
@@ -92,15 +72,15 @@ def run(steps: int, seed: int, policy: ExactLRU | PBLRU | None = None) -> dict[s
     )
 
     checked = 0
-    for _ in range(steps):
+    for step in range(steps):
         new = torch.cat([pool.extend(seq, 1) for seq in seqs])
         for layer in range(layers):
             pool.write(layer, new, expected_rows(new, layer, width))
         for group in range(pool.num_groups):
             # The indexer picks positions; the pool speaks logical addresses.
             picks = []
-            for seq, trace in zip(seqs, traces, strict=True):
-                positions = torch.tensor(trace.select(len(seq), queries))
+            for seq, request in zip(seqs, trace.requests, strict=False):
+                positions = request.topk[step, group].to(torch.int64)  # [queries, k]
                 picks.append(torch.where(positions >= 0, seq.addresses[positions.clamp(min=0)], -1))
             addrs = torch.stack(picks)
             slots = pool.prepare(group, addrs).slots
