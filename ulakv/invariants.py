@@ -96,8 +96,5 @@ def _check_buckets(state, g: int, owner: torch.Tensor, gctl: list[int]) -> None:
         expected = bitmaps.bucket_of(stamps[s], ref) if occupied else None
         if occupied and where[s] != expected:
             _fail(g, f"slot {s} sits in bucket {where[s]}, its stamp {stamps[s]} says {expected}")
-    rebuilt = state.bits[g].clone()
-    PBLRUBits(state, g).store()
-    if not torch.equal(rebuilt, state.bits[g]):
-        state.bits[g] = rebuilt
+    if not torch.equal(bitmaps.packed(), state.bits[g].cpu()):
         _fail(g, "a PB-LRU summary bit disagrees with the words below it")

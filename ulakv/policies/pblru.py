@@ -351,13 +351,14 @@ class PBLRUBits:
         self.sets[bucket] = set()
         return reads + len(leaf_words)
 
+    def packed(self) -> torch.Tensor:
+        """The group's int32 words as the sets say: leaves, and summaries rebuilt from them."""
+        out = [w for b in range(self.R + 1) for words in self._levels(b) for w in words]
+        wide = torch.tensor(out, dtype=torch.int64)
+        return torch.where(wide >= 2**31, wide - 2**32, wide).to(torch.int32)
+
     def store(self) -> None:
-        out = []
-        for b in range(self.R + 1):
-            for words in self._levels(b):
-                out += words
-        packed = torch.tensor(out, dtype=torch.int64)
-        self.st.bits[self.g] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        self.st.bits[self.g] = self.packed().to(self.st.bits.device)
 
 
 @triton.jit
