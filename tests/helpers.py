@@ -7,6 +7,17 @@ import torch
 from ulakv import EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
 
 
+def pool_config(**changes) -> PoolConfig:
+    """A small valid config (5-byte entries, 3 layers in groups of 2, 7 GPU slots) with ``changes``."""
+    base = dict(
+        entry=EntrySpec(bytes_per_layer=5),
+        num_layers=3,
+        layers_per_group=2,
+        layout=Tiered(gpu_slots=7, cpu_slots=0),
+    )
+    return PoolConfig(**{**base, **changes})
+
+
 def small_pool(
     gpu_slots: int = 5,
     cpu_slots: int = 9,

@@ -17,18 +17,16 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from helpers import assert_same_state
+from helpers import assert_same_state, pool_config, small_pool
 
 import ulakv
 from ulakv import (
     CapacityError,
     ConfigError,
     EntrySpec,
-    ExactLRU,
     InvalidAddressError,
     InvalidInputError,
     Pool,
-    PoolConfig,
     Tiered,
 )
 
@@ -50,15 +48,7 @@ def make_pool(
     lpg: int = 2,
     validate: bool | None = None,
 ) -> Pool:
-    cfg = PoolConfig(
-        entry=EntrySpec(bytes_per_layer=bpl),
-        num_layers=layers,
-        layers_per_group=lpg,
-        layout=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=ExactLRU()),
-        device="cpu",
-        validate=validate,
-    )
-    return Pool(cfg)
+    return small_pool(gpu, cpu, bpl, layers, lpg, validate=validate)
 
 
 def rand_rows(n: int, bpl: int, seed: int) -> torch.Tensor:
@@ -473,58 +463,17 @@ CONFIG_CASES: list[tuple[str, Callable[[], object]]] = [
     ("cpu-slots-negative", lambda: Tiered(gpu_slots=7, cpu_slots=-1)),
     ("bytes-per-layer-0", lambda: EntrySpec(bytes_per_layer=0)),
     ("bytes-per-layer-negative", lambda: EntrySpec(bytes_per_layer=-656)),
-    (
-        "layers-per-group-above-layers",
-        lambda: PoolConfig(
-            entry=EntrySpec(bytes_per_layer=5),
-            num_layers=3,
-            layers_per_group=4,
-            layout=Tiered(gpu_slots=7, cpu_slots=0),
-        ),
-    ),
-    (
-        "layers-per-group-0",
-        lambda: PoolConfig(
-            entry=EntrySpec(bytes_per_layer=5),
-            num_layers=3,
-            layers_per_group=0,
-            layout=Tiered(gpu_slots=7, cpu_slots=0),
-        ),
-    ),
-    (
-        "num-layers-0",
-        lambda: PoolConfig(
-            entry=EntrySpec(bytes_per_layer=5),
-            num_layers=0,
-            layers_per_group=1,
-            layout=Tiered(gpu_slots=7, cpu_slots=0),
-        ),
-    ),
-    (
-        "device-unknown",
-        lambda: PoolConfig(
-            entry=EntrySpec(bytes_per_layer=5),
-            num_layers=3,
-            layers_per_group=2,
-            layout=Tiered(gpu_slots=7, cpu_slots=0),
-            device="banana",
-        ),
-    ),
-    (
-        "device-unsupported-type",
-        lambda: PoolConfig(
-            entry=EntrySpec(bytes_per_layer=5),
-            num_layers=3,
-            layers_per_group=2,
-            layout=Tiered(gpu_slots=7, cpu_slots=0),
-            device="xla",
-        ),
-    ),
+    ("layers-per-group-above-layers", lambda: pool_config(num_layers=3, layers_per_group=4)),
+    ("layers-per-group-0", lambda: pool_config(layers_per_group=0)),
+    ("num-layers-0", lambda: pool_config(num_layers=0, layers_per_group=1)),
+    ("device-unknown", lambda: pool_config(device="banana")),
+    ("device-unsupported-type", lambda: pool_config(device="xla")),
 ]
 
 
 @pytest.mark.parametrize("build", [c[1] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
 def test_bad_config_raises_config_error(build: Callable[[], object]) -> None:
+    Pool(pool_config())  # the base the cases change is itself valid: each case fails for its change
     with pytest.raises(ConfigError):
         build()
 

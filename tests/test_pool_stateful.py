@@ -18,7 +18,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_same_state
+from helpers import assert_same_state, small_pool
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -31,12 +31,8 @@ from hypothesis.stateful import (
 
 from ulakv import (
     CapacityError,
-    EntrySpec,
-    ExactLRU,
     InvalidAddressError,
     Pool,
-    PoolConfig,
-    Tiered,
 )
 
 INDEX_DTYPES = st.sampled_from([torch.int32, torch.int64])
@@ -62,14 +58,7 @@ class PoolMachine(RuleBasedStateMachine):
     )
     def build(self, gpu: int, cpu: int, layers: int, bpl: int, data: st.DataObject) -> None:
         lpg = data.draw(st.integers(1, layers), label="layers_per_group")
-        cfg = PoolConfig(
-            entry=EntrySpec(bytes_per_layer=bpl),
-            num_layers=layers,
-            layers_per_group=lpg,
-            layout=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=ExactLRU()),
-            device="cpu",
-        )
-        self.pool = Pool(cfg)
+        self.pool = small_pool(gpu, cpu, bpl, layers, lpg)
         self.G, self.C, self.L, self.B = gpu, cpu, layers, bpl
         self.cap = gpu + cpu
         assert self.pool.capacity == self.cap
