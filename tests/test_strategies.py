@@ -38,4 +38,4 @@ def test_trace_specs_replay(spec) -> None:
         for s in range(r.steps)
         for g in range(trace.groups)
     )
-    assert result.hit_rate <= result.belady_hit_rate + 1e-12
+    assert result.hit_rate <= result.belady_hit_rate  # same denominator: the distinct accesses

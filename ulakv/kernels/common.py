@@ -70,13 +70,12 @@ F_MOVED = tl.constexpr(8)  # final home comes from this call's plan (a miss, or 
 F_PAD = tl.constexpr(16)
 F_BAD = tl.constexpr(32)
 
-# Per-chunk counters written by the lookup.
-C_DISTINCT = tl.constexpr(0)
-C_HITS = tl.constexpr(1)
-C_NEED = tl.constexpr(2)  # distinct addresses that need a GPU slot
-C_NEED_CPU = tl.constexpr(3)  # ... of which are on the CPU now (a swap-in)
-C_CPU_FIRST = tl.constexpr(4)  # distinct addresses written in place on the CPU (write mode)
-COUNT_WORDS = 5
+# Per-chunk counters written by the lookup (distinct addresses are counted once, by the claim).
+C_HITS = tl.constexpr(0)
+C_NEED = tl.constexpr(1)  # distinct addresses that need a GPU slot
+C_NEED_CPU = tl.constexpr(2)  # ... of which are on the CPU now (a swap-in)
+C_CPU_FIRST = tl.constexpr(3)  # distinct addresses written in place on the CPU (write mode)
+COUNT_WORDS = 4
 
 # Mapping encoding (see ulakv.address_space).
 M_FREE = tl.constexpr(-1)

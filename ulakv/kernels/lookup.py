@@ -125,7 +125,6 @@ def classify_kernel(
     tl.store(miss_pos_ptr + pid.to(tl.int64) * CHUNK + rank, pos.to(tl.int32), mask=need)
     tl.store(miss_rank_ptr + pos, rank, mask=need)
     row = counts_ptr + pid * K.COUNT_WORDS
-    tl.store(row + K.C_DISTINCT, tl.sum(first.to(tl.int32), axis=0))
     tl.store(row + K.C_HITS, tl.sum(hit.to(tl.int32), axis=0))
     tl.store(row + K.C_NEED, tl.sum(need.to(tl.int32), axis=0))
     tl.store(row + K.C_NEED_CPU, tl.sum((need & on_cpu).to(tl.int32), axis=0))
@@ -212,7 +211,6 @@ def lookup_reference(st, g: int, sel, scratch, write: bool) -> None:
             if need:
                 scratch.miss_pos[chunk * C + counts[int(K.C_NEED)]] = pos
                 scratch.miss_rank[pos] = counts[int(K.C_NEED)]
-            counts[int(K.C_DISTINCT)] += first
             counts[int(K.C_HITS)] += first and on_gpu
             counts[int(K.C_NEED)] += need
             counts[int(K.C_NEED_CPU)] += need and on_cpu

@@ -68,7 +68,7 @@ def plan_kernel(
     ar = tl.arange(0, BLOCK)
     status = tl.load(ctl_ptr + K.E_STATUS)
     epoch = tl.load(ctl_ptr + K.E_EPOCH)
-    D = tl.zeros((), dtype=tl.int64)
+    D = tl.load(ctl_ptr + K.E_DISTINCT)  # counted by the claim
     H = tl.zeros((), dtype=tl.int64)
     M = tl.zeros((), dtype=tl.int64)
     MC = tl.zeros((), dtype=tl.int64)
@@ -76,7 +76,6 @@ def plan_kernel(
     for c0 in range(0, P, BLOCK):
         row = counts_ptr + (c0 + ar) * K.COUNT_WORDS
         cm = c0 + ar < P
-        D += tl.sum(tl.load(row + K.C_DISTINCT, mask=cm, other=0), axis=0)
         H += tl.sum(tl.load(row + K.C_HITS, mask=cm, other=0), axis=0)
         M += tl.sum(tl.load(row + K.C_NEED, mask=cm, other=0), axis=0)
         MC += tl.sum(tl.load(row + K.C_NEED_CPU, mask=cm, other=0), axis=0)
@@ -325,7 +324,7 @@ def plan_reference(
     ctl, gctl, stats = st.ctl, st.gctl[g], st.stats
     counts = scratch.counts[:P].tolist()
     total = [sum(row[i] for row in counts) for i in range(K.COUNT_WORDS)]
-    D, H, M = total[int(K.C_DISTINCT)], total[int(K.C_HITS)], total[int(K.C_NEED)]
+    D, H, M = int(ctl[int(K.E_DISTINCT)]), total[int(K.C_HITS)], total[int(K.C_NEED)]
     MC, CF = total[int(K.C_NEED_CPU)], total[int(K.C_CPU_FIRST)]
     status, epoch = int(ctl[int(K.E_STATUS)]), int(ctl[int(K.E_EPOCH)])
     if not write and D > G:
