@@ -20,6 +20,7 @@ from ulakv.kernels import lookup as lookup_mod
 from ulakv.kernels import plan as plan_mod
 from ulakv.kernels import release as release_mod
 from ulakv.layouts.tiered import REFERENCE, TRITON
+from ulakv.plans import Phase
 
 POISON = -7
 
@@ -29,8 +30,25 @@ def poison(scratch) -> None:
         t.fill_(POISON)
 
 
-def run_stagewise(pool, group: int, flat: torch.Tensor, rows=None, layer: int = 0) -> None:
-    """One call, stage by stage, each stage checked against its reference on a cloned copy."""
+def apply_steps(layers: range, split: bool) -> list[tuple[tuple[int, int], range]]:
+    """The launches of one apply: all phases at once, or the way an engine runs a multi-layer group
+    (out + evict, the first layer in, the other layers in + commit)."""
+    if not split or len(layers) < 2:
+        return [((int(Phase.OUT), int(Phase.COMMIT)), layers)]
+    first = range(layers.start, layers.start + 1)
+    rest = range(layers.start + 1, layers.stop)
+    return [
+        ((int(Phase.OUT), int(Phase.EVICT)), range(0)),
+        ((int(Phase.IN), int(Phase.IN)), first),
+        ((int(Phase.IN), int(Phase.COMMIT)), rest),
+    ]
+
+
+def run_stagewise(
+    pool, group: int, flat: torch.Tensor, rows=None, layer: int = 0, split: bool = False
+) -> None:
+    """One call, stage by stage, each stage checked against its reference on a cloned copy;
+    ``split`` runs the apply in the phase steps an engine with cross-layer prefetch uses."""
     layout = pool._layout
     st = layout.state
     T = flat.numel()
@@ -41,14 +59,23 @@ def run_stagewise(pool, group: int, flat: torch.Tensor, rows=None, layer: int = 
     slots = torch.full((T,), POISON, dtype=torch.int32)
     words = K.as_words(rows) if rows is not None else None
     write = rows is not None
+    max_sel = pool.config.layout.max_selection
     stages = [
         ("lookup", lambda k, s, sc: k.lookup(s, group, flat, sc, write)),
-        ("plan", lambda k, s, sc: k.plan(s, group, sc, T, write, len(layers) * width, width)),
-        ("apply", lambda k, s, sc, out: k.apply(s, group, sc, flat, layers, words, layer, out)),
+        ("plan", lambda k, s, sc: k.plan(s, group, sc, T, write, len(layers) * width, width, max_sel)),
     ]
+    for phases, in_layers in apply_steps(layers, split and not write):
+        stages.append(
+            (
+                f"apply{phases}",
+                lambda k, s, sc, out, phases=phases, in_layers=in_layers: k.apply(
+                    s, group, sc, flat, layers, words, layer, out, phases=phases, in_layers=in_layers
+                ),
+            )
+        )
     for name, stage in stages:
         st_ref, sc_ref, slots_ref = st.clone(), scratch.clone(), slots.clone()
-        if name == "apply":
+        if name.startswith("apply"):
             stage(TRITON, st, scratch, slots)
             stage(REFERENCE, st_ref, sc_ref, slots_ref)
         else:
@@ -108,7 +135,7 @@ def test_stages_match_reference_under_random_traffic(gpu, cpu, width, layers, pe
             q = rng.choice([1, 3])
             k = rng.randint(1, 5)
             sel = torch.tensor([[rng.choice([*cand, -1]) for _ in range(k)] for _ in range(q)])
-            run_stagewise(pool, group, sel.reshape(-1))
+            run_stagewise(pool, group, sel.reshape(-1), split=rng.random() < 0.5)
         pool.check_invariants()
 
 
@@ -123,7 +150,8 @@ def test_failed_call_stages_match_reference() -> None:
 
 
 def test_selection_spanning_chunks_matches_reference() -> None:
-    """More elements than one CHUNK: per-chunk offsets, the straddling chunk and cross-chunk dups."""
+    """More elements than one CHUNK: per-chunk offsets, misses that straddle the free slots and
+    the evictions, and duplicates across chunks."""
     pool = small_pool(gpu_slots=600, cpu_slots=700, bytes_per_layer=4, num_layers=1, layers_per_group=1)
     gen = torch.Generator().manual_seed(3)
     seq = pool.admit(1300)

@@ -74,18 +74,30 @@ class Tiered:
 
     One GPU pool of ``gpu_slots`` is shared by all requests; ``cpu_slots`` of pinned host memory hold
     the rest. ``cpu_slots=0`` is a GPU-only pool. Admission capacity is ``gpu_slots + cpu_slots``.
+
+    ``staging_slots`` more CPU rows (not admitted into) let a swap copy each evicted entry to a free
+    row before its GPU slot is overwritten, so an interrupted transfer leaves every entry readable at
+    its old home. A ``prepare`` may select at most ``max_selection`` distinct addresses per group.
+    Default: ``gpu_slots`` (any selection that fits the GPU); 0 when there is no CPU tier, since a
+    GPU-only pool never evicts.
     """
 
     gpu_slots: int
     cpu_slots: int = 0
     policy: PolicyConfig = field(default_factory=ExactLRU)
+    staging_slots: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("Tiered.gpu_slots", self.gpu_slots, 1)
         _check_int("Tiered.cpu_slots", self.cpu_slots, 0)
-        if self.gpu_slots + self.cpu_slots > MAX_SLOTS:
+        if self.staging_slots is not None:
+            _check_int("Tiered.staging_slots", self.staging_slots, 1 if self.cpu_slots else 0)
+        if self.cpu_slots == 0 and self.staging_slots:
+            raise ConfigError("Tiered.staging_slots needs a CPU tier (cpu_slots > 0): nothing is evicted")
+        total = self.gpu_slots + self.cpu_slots + self.cpu_staging
+        if total > MAX_SLOTS:
             raise ConfigError(
-                f"gpu_slots + cpu_slots = {self.gpu_slots + self.cpu_slots} exceeds {MAX_SLOTS}: "
+                f"gpu_slots + cpu_slots + staging_slots = {total} exceeds {MAX_SLOTS}: "
                 "mapping entries are int32"
             )
         if not isinstance(self.policy, (ExactLRU, PBLRU)):
@@ -97,6 +109,20 @@ class Tiered:
     def capacity(self) -> int:
         """Logical addresses the layout can hold at once (one home each)."""
         return self.gpu_slots + self.cpu_slots
+
+    @property
+    def cpu_staging(self) -> int:
+        """Staging rows actually allocated on the CPU (``staging_slots`` resolved)."""
+        if self.cpu_slots == 0:
+            return 0
+        return self.gpu_slots if self.staging_slots is None else self.staging_slots
+
+    @property
+    def max_selection(self) -> int:
+        """Most distinct addresses one ``prepare`` may select in a group."""
+        if self.cpu_slots == 0:
+            return self.gpu_slots
+        return min(self.gpu_slots, self.cpu_staging)
 
 
 LayoutConfig = Tiered

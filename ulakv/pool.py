@@ -19,6 +19,7 @@ from .errors import CapacityError, InvalidAddressError, InvalidInputError, Ulakv
 from .invariants import check_invariants
 from .kernels import common as K
 from .layouts.tiered import TieredLayout, TieredState
+from .plans import Phase, PlanInterrupted, TransferPlan
 
 _pool_ids = itertools.count(1)
 
@@ -60,6 +61,8 @@ class Pool:
         self._layout = TieredLayout(config, self._state)
         self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
+        self._pending: TransferPlan | None = None  # a plan stopped part-way, finished next call
+        self._interrupt: Phase | None = None  # set by ulakv.plans.interrupt_after (tests)
 
     # -- shape of the pool ---------------------------------------------------------------------
     @property
@@ -89,6 +92,7 @@ class Pool:
     def admit(self, num_tokens: int) -> Sequence:
         """A new request of ``num_tokens`` tokens; raises CapacityError and changes nothing if the
         pool cannot hold them."""
+        self._finish_pending()
         taken = self._allocator.take(num_tokens)
         seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
         self._home(seq, taken)
@@ -97,6 +101,7 @@ class Pool:
     def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
         """Append ``num_tokens`` tokens to ``seq``; returns their addresses."""
         self._check_seq(seq)
+        self._finish_pending()
         taken = self._allocator.take(num_tokens)
         return self._home(seq, taken)
 
@@ -111,6 +116,7 @@ class Pool:
     def release(self, seq: Sequence) -> None:
         """Return every address and slot of ``seq`` in every group."""
         self._check_seq(seq)
+        self._finish_pending()
         self._launches += self._layout.release(seq.addresses)
         self._allocator.give_back(seq._addresses)
         seq.released = True
@@ -123,6 +129,19 @@ class Pool:
     def prepare(self, group: int, topk: torch.Tensor) -> Selection:
         """Make every address of ``topk`` (``[B, K]`` or ``[B, Q, K]``, -1 = padding) GPU-resident
         and return their slots. Starts a new round for ``group``."""
+        plan = self.plan(group, topk)
+        if plan is not None:
+            self.run(plan)
+            slots = plan.slots
+        else:
+            slots = torch.empty(0, dtype=torch.int32, device=self.device)
+        return Selection(group, slots.view(topk.shape))
+
+    def plan(self, group: int, topk: torch.Tensor, out: torch.Tensor | None = None) -> TransferPlan | None:
+        """The first half of ``prepare``: decide every move ``topk`` needs, on the device, and
+        move nothing (the lookup and plan kernels). ``out`` (int32, at least ``topk.numel()``
+        elements) receives the slots when the plan runs, so a captured step writes to a fixed
+        buffer. ``None`` for an empty selection. Run the plan with :meth:`run`."""
         self._check_group(group)
         self._need_kernels("prepare")
         if not isinstance(topk, torch.Tensor):
@@ -135,13 +154,46 @@ class Pool:
             )
         self._check_device("prepare: topk", topk)
         flat = topk.reshape(-1)
+        if out is not None:
+            ok = isinstance(out, torch.Tensor) and out.dtype == torch.int32 and out.is_contiguous()
+            if not ok or out.numel() < flat.numel():
+                raise InvalidInputError(
+                    f"prepare: out must be a contiguous int32 tensor of >= {flat.numel()}"
+                )
+            self._check_device("prepare: out", out)
+            out = out.reshape(-1)
+        self._finish_pending()
         if flat.numel() == 0:
-            return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
-        slots, launches = self._layout.run(group, flat)
+            return None
+        plan, launches = self._layout.plan(group, flat, slots=out)
         self._launches += launches
         self._raise_if_failed("prepare", flat)
-        self._after_call()
-        return Selection(group, slots.view(topk.shape))
+        return plan
+
+    def run(self, plan: TransferPlan, until: Phase = Phase.COMMIT, in_layers: range | None = None) -> None:
+        """Run ``plan`` (from :meth:`plan`) through phase ``until``; the ``in`` phase moves the
+        group's layers ``in_layers`` (default: all not moved yet). An engine runs the first layer
+        (``until=Phase.IN, in_layers=range(first, first + 1)``), then the rest on a side stream."""
+        stop = self._interrupt
+        if stop is not None and stop < until:
+            self._launches += self._layout.execute(plan, until=stop, in_layers=in_layers)
+            self._pending = plan
+            raise PlanInterrupted(
+                f"plan for group {plan.group} interrupted after its {stop.name.lower()} phase; every "
+                "entry is readable at its old home, and the pool finishes the plan before its next call",
+                stop,
+            )
+        self._launches += self._layout.execute(plan, until=until, in_layers=in_layers)
+        self._pending = None if plan.finished else plan
+        if plan.finished:
+            self._after_call()
+
+    def _finish_pending(self) -> None:
+        """Finish a plan that stopped part-way (its remaining phases), before anything else."""
+        if self._pending is not None:
+            plan, self._pending = self._pending, None
+            self._launches += self._layout.execute(plan)
+            self._after_call()
 
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Store ``rows`` (uint8 ``[n, bytes_per_layer]``) as layer ``layer`` of ``addrs``
@@ -165,14 +217,15 @@ class Pool:
             )
         self._check_device("write: addrs", addrs)
         self._check_device("write: rows", rows)
+        self._finish_pending()
         if addrs.numel() == 0:
             return
-        _, launches = self._layout.run(
+        plan, launches = self._layout.plan(
             self.config.group_of(layer), addrs, rows=rows.contiguous(), layer=layer
         )
         self._launches += launches
         self._raise_if_failed("write", addrs)
-        self._after_call()
+        self.run(plan)
 
     # -- slow paths ------------------------------------------------------------------------------
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
@@ -196,6 +249,7 @@ class Pool:
 
     def stats(self) -> dict[str, int]:
         """Counters (cumulative) and occupancy; synchronises, and raises a deferred error."""
+        self._finish_pending()
         self.check()
         st = self._state
         G, C = st.gpu_slots, st.cpu_slots
@@ -222,6 +276,7 @@ class Pool:
 
     def check_invariants(self) -> None:
         """Check DESIGN invariants 1, 4-6 on the whole state (synchronises; for tests and debug)."""
+        self._finish_pending()
         check_invariants(self._state, self._allocator)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -259,9 +314,11 @@ class Pool:
         if status & int(K.ST_DUPLICATE):
             return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
         if status & int(K.ST_TOO_LARGE):
+            layout = self.config.layout
             return CapacityError(
-                f"{what}: the selection has more distinct addresses than the {self._state.gpu_slots} "
-                "GPU slots of a group; nothing changed"
+                f"{what}: the selection has more distinct addresses than the {layout.max_selection} a "
+                f"prepare may select (gpu_slots {layout.gpu_slots}, staging_slots {layout.cpu_staging}); "
+                "nothing changed"
             )
         return UlakvError(f"{what}: failed with status {status}; nothing changed")
 

@@ -77,6 +77,25 @@ C_NEED_CPU = tl.constexpr(2)  # ... of which are on the CPU now (a swap-in)
 C_CPU_FIRST = tl.constexpr(3)  # distinct addresses written in place on the CPU (write mode)
 COUNT_WORDS = 4
 
+# Per-chunk offsets the plan hands to apply (``chunk_off`` rows).
+O_MISS = tl.constexpr(0)  # where the chunk's misses start in the victim list
+O_QUEUE = tl.constexpr(1)  # where its touches are appended to the LRU queue
+O_PUSH = tl.constexpr(2)  # its rank among the CPU rows freed by this call
+OFF_WORDS = tl.constexpr(3)
+
+# The phases of applying a plan, in order (data, then mapping; the signal follows the last). After
+# every phase each entry is readable at the home its mapping names, so a plan stopped between any
+# two phases loses nothing and finishes by running the rest.
+#   out:    data. Each victim's rows, every layer of the group, go to a free CPU row.
+#   evict:  mapping. Victims live in those rows; their GPU slots are unowned. Slots are output.
+#   in:     data. Each miss's rows come into its GPU slot (a write that found none: a CPU row).
+#   commit: mapping. Misses live where their rows are; their old CPU rows are freed; recency.
+PH_OUT = tl.constexpr(1)
+PH_EVICT = tl.constexpr(2)
+PH_IN = tl.constexpr(3)
+PH_COMMIT = tl.constexpr(4)
+PHASE_NAMES = {1: "out", 2: "evict", 3: "in", 4: "commit"}
+
 # Mapping encoding (see ulakv.address_space).
 M_FREE = tl.constexpr(-1)
 M_UNHOMED = tl.constexpr(-2)

@@ -2,8 +2,8 @@
 
 One program (the work is O(misses + queue entries skipped + chunks), never O(pool)):
 
-1. Totals from the lookup's per-chunk counts; a prepare with more distinct addresses than GPU slots
-   fails here, before anything changed.
+1. Totals from the lookup's per-chunk counts; a prepare with more distinct addresses than the
+   layout's ``max_selection`` (GPU slots, or staging rows) fails here, before anything changed.
 2. Victims: free GPU slots first (a stack), then the exact-LRU queue from its head. The queue holds
    ``(slot, version)`` pairs in recency order; touching a slot bumps its version and appends it, so
    older pairs of that slot turn stale and are skipped (lazy deletion). Slots protected in this call
@@ -11,8 +11,9 @@ One program (the work is O(misses + queue entries skipped + chunks), never O(poo
    reached. When stale pairs would overflow the ring it is compacted in place (amortised O(1) a touch).
 3. Offsets per chunk so the apply kernel can work in parallel without atomics and still
    deterministically: where each chunk's misses start in the victim list, where its touches are
-   appended to the queue, and its ranks on the CPU free-slot stack (pops for evicted entries that
-   need a CPU home, pushes for CPU slots freed when a miss took a free GPU slot).
+   appended to the queue, and its rank among the CPU rows freed by misses that came from the CPU.
+   Every miss past the free GPU slots pops a free CPU row (for its victim, or for itself in a write
+   that found no slot): a victim never lands in a row someone still lives in.
 4. Counters, round and epoch bookkeeping; the call's status is published for the host and apply.
 """
 
@@ -52,6 +53,7 @@ def plan_kernel(
     chunk_off_ptr,
     group_row_bytes,
     layer_row_bytes,
+    max_selection,
     bits_ptr,
     BW,
     lvl_ptr,
@@ -81,7 +83,7 @@ def plan_kernel(
         MC += tl.sum(tl.load(row + K.C_NEED_CPU, mask=cm, other=0), axis=0)
         CF += tl.sum(tl.load(row + K.C_CPU_FIRST, mask=cm, other=0), axis=0)
     if not WRITE:
-        if D > G:
+        if max_selection < D:
             status = status | K.ST_TOO_LARGE
     if status == 0:
         head = tl.load(gctl_ptr + K.G_HEAD)
@@ -182,10 +184,9 @@ def plan_kernel(
                 tail = w
                 round_tail = new_round_tail
 
-        # -- per-chunk offsets: victim list, queue appends, CPU stack pops and pushes -------------
+        # -- per-chunk offsets: victim list, queue appends, CPU rows freed ---------------------------
         m_run = tl.zeros((), dtype=tl.int64)
         q_run = tail
-        pop_run = tl.zeros((), dtype=tl.int64)
         push_run = tl.zeros((), dtype=tl.int64)
         for c0 in range(0, P, BLOCK):
             c = c0 + ar
@@ -198,52 +199,34 @@ def plan_kernel(
             with_victim = tl.minimum(tl.maximum(V - m_off, 0), need)
             appended = hits + with_victim
             q_off = q_run + tl.cumsum(appended, axis=0) - appended
-            # Misses with index < k_free took a free GPU slot: a CPU source slot is freed (push).
-            # Misses with index >= k_free that have no CPU home (new entries) need one CPU slot,
-            # for the entry they evict or, in a write that found no victim, for themselves (pop).
-            before = tl.minimum(tl.maximum(k_free - m_off, 0), need)
-            pops = tl.where(before == 0, need - need_cpu, 0)
-            pushes = tl.where(before == need, need_cpu, 0)
-            straddle = cm & (before > 0) & (before < need)
-            if tl.sum(straddle.to(tl.int32), axis=0) > 0:
-                sc = tl.max(tl.where(straddle, c, -1), axis=0)
-                split = tl.max(tl.where(straddle, before, -1), axis=0)
-                n_sc = tl.max(tl.where(straddle, need, -1), axis=0)
-                rr = tl.arange(0, CHUNK)
-                p = tl.load(miss_pos_ptr + sc * CHUNK + rr, mask=rr < n_sc, other=0)
-                on_cpu = (rr < n_sc) & (tl.load(home_ptr + p, mask=rr < n_sc, other=0) >= G)
-                sc_pops = tl.sum(((rr >= split) & (rr < n_sc) & ~on_cpu).to(tl.int64), axis=0)
-                sc_pushes = tl.sum(((rr < split) & on_cpu).to(tl.int64), axis=0)
-                pops = tl.where(straddle, sc_pops, pops)
-                pushes = tl.where(straddle, sc_pushes, pushes)
-            pop_off = pop_run + tl.cumsum(pops, axis=0) - pops
-            push_off = push_run + tl.cumsum(pushes, axis=0) - pushes
-            row = chunk_off_ptr + c * 4
-            tl.store(row + 0, m_off, mask=cm)
-            tl.store(row + 1, q_off, mask=cm)
-            tl.store(row + 2, pop_off, mask=cm)
-            tl.store(row + 3, push_off, mask=cm)
+            push_off = push_run + tl.cumsum(need_cpu, axis=0) - need_cpu
+            row = chunk_off_ptr + c * K.OFF_WORDS
+            tl.store(row + K.O_MISS, m_off, mask=cm)
+            tl.store(row + K.O_QUEUE, q_off, mask=cm)
+            tl.store(row + K.O_PUSH, push_off, mask=cm)
             m_run += tl.sum(need, axis=0)
             q_run += tl.sum(appended, axis=0)
-            pop_run += tl.sum(pops, axis=0)
-            push_run += tl.sum(pushes, axis=0)
+            push_run += tl.sum(need_cpu, axis=0)
 
-        # -- CPU free-slot stack: hand the pops to apply through scratch, so apply's pushes can
-        # reuse the popped region without racing its readers.
+        # -- CPU rows: every miss past the free GPU slots pops one (for the entry it evicts, or for
+        # itself when a write finds no slot); every miss that came from the CPU frees its row, after
+        # its mapping moved. The pops are handed to apply through scratch, so the pushes can reuse
+        # the popped region of the stack without racing its readers.
+        pops = M - k_free
         top = tl.load(gctl_ptr + K.G_CPU_FREE)
-        for r0 in range(0, pop_run, BLOCK):
+        for r0 in range(0, pops, BLOCK):
             rr = r0 + ar
-            rm = rr < pop_run
+            rm = rr < pops
             tl.store(popped_ptr + rr, tl.load(cpu_free_ptr + (top - 1 - rr), mask=rm, other=0), mask=rm)
 
         tl.store(gctl_ptr + K.G_HEAD, head)
         tl.store(gctl_ptr + K.G_TAIL, q_run)
         tl.store(gctl_ptr + K.G_ROUND_TAIL, round_tail)
         tl.store(gctl_ptr + K.G_GPU_FREE, n_free)
-        tl.store(gctl_ptr + K.G_CPU_FREE, top - pop_run + push_run)
+        tl.store(gctl_ptr + K.G_CPU_FREE, top - pops + push_run)
         tl.store(ctl_ptr + K.E_KFREE, k_free)
         tl.store(ctl_ptr + K.E_VICTIMS, V)
-        tl.store(ctl_ptr + K.E_PUSH_BASE, top - pop_run)
+        tl.store(ctl_ptr + K.E_PUSH_BASE, top - pops)
 
         evicted = V - k_free
         if WRITE:
@@ -281,8 +264,18 @@ def plan_kernel(
         tl.store(ctl_ptr + K.E_EPOCH, epoch + 1)
 
 
-def plan(st, g: int, scratch, T: int, write: bool, group_row_bytes: int, layer_row_bytes: int) -> int:
-    """Launch the plan for group ``g`` of ``st`` (a TieredState); returns launches."""
+def plan(
+    st,
+    g: int,
+    scratch,
+    T: int,
+    write: bool,
+    group_row_bytes: int,
+    layer_row_bytes: int,
+    max_selection: int,
+) -> int:
+    """Launch the plan for group ``g`` of ``st`` (a TieredState); a prepare of more than
+    ``max_selection`` distinct addresses fails. Returns launches."""
     plan_kernel[(1,)](
         scratch.home,
         scratch.counts,
@@ -306,6 +299,7 @@ def plan(st, g: int, scratch, T: int, write: bool, group_row_bytes: int, layer_r
         scratch.chunk_off,
         group_row_bytes,
         layer_row_bytes,
+        max_selection,
         *st.pblru_args(g),
         WRITE=write,
         POLICY=st.policy,
@@ -316,10 +310,17 @@ def plan(st, g: int, scratch, T: int, write: bool, group_row_bytes: int, layer_r
 
 
 def plan_reference(
-    st, g: int, scratch, T: int, write: bool, group_row_bytes: int, layer_row_bytes: int
+    st,
+    g: int,
+    scratch,
+    T: int,
+    write: bool,
+    group_row_bytes: int,
+    layer_row_bytes: int,
+    max_selection: int,
 ) -> None:
     """Plain-Python twin of :func:`plan`: walks misses and queue entries one at a time."""
-    G, Qcap, C = st.gpu_slots, st.q_slot.shape[1], K.CHUNK
+    Qcap, C = st.q_slot.shape[1], K.CHUNK
     P = -(-T // C)
     ctl, gctl, stats = st.ctl, st.gctl[g], st.stats
     counts = scratch.counts[:P].tolist()
@@ -327,7 +328,7 @@ def plan_reference(
     D, H, M = int(ctl[int(K.E_DISTINCT)]), total[int(K.C_HITS)], total[int(K.C_NEED)]
     MC, CF = total[int(K.C_NEED_CPU)], total[int(K.C_CPU_FIRST)]
     status, epoch = int(ctl[int(K.E_STATUS)]), int(ctl[int(K.E_EPOCH)])
-    if not write and D > G:
+    if not write and max_selection < D:
         status |= int(K.ST_TOO_LARGE)
     if status == 0:
         head, tail = int(gctl[int(K.G_HEAD)]), int(gctl[int(K.G_TAIL)])
@@ -376,35 +377,27 @@ def plan_reference(
                 st.q_ver[g, (head + k) % Qcap] = v
             round_tail = head + sum(1 for *_, i in kept if i < round_tail)
             tail = head + len(kept)
-        # Walk the misses in order: which take a free slot, which need a CPU slot.
-        j = 0
-        q_run, pop_run, push_run = tail, 0, 0
+        # Per chunk: where its misses start, where its touches are appended, its rank among the
+        # CPU rows freed. Misses past the free GPU slots pop a CPU row each.
+        j, q_run, push_run = 0, tail, 0
         for c in range(P):
             need, hits = counts[c][int(K.C_NEED)], counts[c][int(K.C_HITS)]
-            pops = pushes = with_victim = 0
-            for r in range(need):
-                from_cpu = int(scratch.home[int(scratch.miss_pos[c * C + r])]) >= G
-                if j + r < k_free:
-                    pushes += from_cpu
-                elif not from_cpu:
-                    pops += 1
-                with_victim += j + r < V
-            scratch.chunk_off[c] = torch.tensor([j, q_run, pop_run, push_run])
+            scratch.chunk_off[c] = torch.tensor([j, q_run, push_run])
+            q_run += hits + max(0, min(V - j, need))
+            push_run += counts[c][int(K.C_NEED_CPU)]
             j += need
-            q_run += hits + with_victim
-            pop_run += pops
-            push_run += pushes
+        pops = M - k_free
         top = int(gctl[int(K.G_CPU_FREE)])
-        for r in range(pop_run):
+        for r in range(pops):
             scratch.popped[r] = st.cpu_free[g, top - 1 - r]
         gctl[int(K.G_HEAD)] = head
         gctl[int(K.G_TAIL)] = q_run
         gctl[int(K.G_ROUND_TAIL)] = round_tail
         gctl[int(K.G_GPU_FREE)] = n_free
-        gctl[int(K.G_CPU_FREE)] = top - pop_run + push_run
+        gctl[int(K.G_CPU_FREE)] = top - pops + push_run
         ctl[int(K.E_KFREE)] = k_free
         ctl[int(K.E_VICTIMS)] = V
-        ctl[int(K.E_PUSH_BASE)] = top - pop_run
+        ctl[int(K.E_PUSH_BASE)] = top - pops
         evicted = V - k_free
         if write:
             stats[int(K.S_BYTES_OUT)] += evicted * group_row_bytes + (CF + M - V) * layer_row_bytes

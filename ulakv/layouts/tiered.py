@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..config import ExactLRU, PoolConfig
+from ..errors import InvalidInputError, UlakvError
 from ..kernels import apply as apply_mod
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
@@ -20,6 +21,7 @@ from ..kernels import lookup as lookup_mod
 from ..kernels import plan as plan_mod
 from ..kernels import release as release_mod
 from ..kernels._triton import triton
+from ..plans import Phase, TransferPlan
 from ..policies.pblru import level_offsets
 
 
@@ -50,7 +52,7 @@ class TieredState(_Tensors):
     q_slot: torch.Tensor  # int32 [groups, 2G]: LRU ring, oldest at gctl[G_HEAD]
     q_ver: torch.Tensor  # int32 [groups, 2G]
     gpu_free: torch.Tensor  # int32 [groups, G]: stack of free GPU slots
-    cpu_free: torch.Tensor  # int32 [groups, max(C, 1)]: stack of free CPU slots
+    cpu_free: torch.Tensor  # int32 [groups, max(C, 1)]: stack of free CPU rows (C includes staging)
     stamp: torch.Tensor  # int32 [groups, G]: PB-LRU, round a slot was last used
     bits: torch.Tensor  # int32 [groups, (buckets + 1) * bucket_words]: PB-LRU bitmaps + summaries
     levels: torch.Tensor  # int64 [levels + 1]: word offset of each summary level in a bucket
@@ -81,7 +83,8 @@ class TieredState(_Tensors):
     @classmethod
     def allocate(cls, config: PoolConfig) -> TieredState:
         layout, device = config.layout, config.torch_device
-        G, C, groups = layout.gpu_slots, layout.cpu_slots, config.num_groups
+        # CPU rows: the admitted tier plus staging rows, all on one free stack.
+        G, C, groups = layout.gpu_slots, layout.cpu_slots + layout.cpu_staging, config.num_groups
         N, B, L = layout.capacity, config.entry.bytes_per_layer, config.num_layers
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
@@ -139,6 +142,7 @@ class TieredState(_Tensors):
 
     @property
     def cpu_slots(self) -> int:
+        """Physical CPU rows, staging rows included."""
         return self.cpu_data.shape[1] - 1
 
     @property
@@ -192,7 +196,7 @@ class CallScratch(_Tensors):
     miss_rank: torch.Tensor  # int32 [cap]: rank of a miss within its chunk
     miss_pos: torch.Tensor  # int32 [chunks * CHUNK]: each chunk's misses, in order
     counts: torch.Tensor  # int32 [chunks, COUNT_WORDS]
-    chunk_off: torch.Tensor  # int64 [chunks, 4]: miss, queue, CPU-pop, CPU-push offsets
+    chunk_off: torch.Tensor  # int64 [chunks, OFF_WORDS]: miss, queue and CPU-push offsets
     victims: torch.Tensor  # int32 [cap]: GPU slot of each miss, in miss order
     popped: torch.Tensor  # int32 [cap]: CPU slots popped for this call
 
@@ -207,7 +211,7 @@ class CallScratch(_Tensors):
             miss_rank=torch.empty(capacity, **i32),
             miss_pos=torch.empty(chunks * K.CHUNK, **i32),
             counts=torch.empty((chunks, K.COUNT_WORDS), **i32),
-            chunk_off=torch.empty((chunks, 4), dtype=torch.int64, device=device),
+            chunk_off=torch.empty((chunks, K.OFF_WORDS), dtype=torch.int64, device=device),
             victims=torch.empty(capacity, **i32),
             popped=torch.empty(capacity, **i32),
         )
@@ -253,13 +257,18 @@ class TieredLayout:
             self._scratch = CallScratch.allocate(capacity, self.config.torch_device)
         return self._scratch
 
-    def run(
-        self, group: int, flat: torch.Tensor, *, rows: torch.Tensor | None = None, layer: int = 0
-    ) -> tuple[torch.Tensor | None, int]:
-        """One ``prepare`` (``rows is None``) or ``write`` of the flat addresses ``flat``.
-
-        Returns the slots (prepare only) and the number of kernel launches (4).
-        """
+    def plan(
+        self,
+        group: int,
+        flat: torch.Tensor,
+        *,
+        rows: torch.Tensor | None = None,
+        layer: int = 0,
+        slots: torch.Tensor | None = None,
+    ) -> tuple[TransferPlan, int]:
+        """Plan one ``prepare`` (``rows is None``) or ``write`` of the flat addresses ``flat``: the
+        lookup and plan kernels, no data moved. ``slots`` (int32, at least ``flat.numel()``) is
+        where a prepare's slots go (allocated when ``None``). Returns the plan and the launches."""
         st, cfg, kernels = self.state, self.config, self.kernels
         write = rows is not None
         T = flat.numel()
@@ -267,11 +276,63 @@ class TieredLayout:
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
         launches = kernels.lookup(st, group, flat, scratch, write)
-        launches += kernels.plan(st, group, scratch, T, write, len(layers) * width, width)
-        slots = None if write else torch.empty(T, dtype=torch.int32, device=flat.device)
-        words = K.as_words(rows) if write else None
-        launches += kernels.apply(st, group, scratch, flat, layers, words, layer, slots)
-        return slots, launches
+        launches += kernels.plan(
+            st, group, scratch, T, write, len(layers) * width, width, cfg.layout.max_selection
+        )
+        if not write and slots is None:
+            slots = torch.empty(T, dtype=torch.int32, device=flat.device)
+        plan = TransferPlan(
+            group=group,
+            layers=layers,
+            addresses=flat,
+            scratch=scratch,
+            slots=None if write else slots[:T],
+            rows=K.as_words(rows) if write else None,
+            write_layer=layer,
+            ctl=st.ctl,
+        )
+        return plan, launches
+
+    def execute(self, plan: TransferPlan, until: Phase = Phase.COMMIT, in_layers: range | None = None) -> int:
+        """Run ``plan``'s phases from where it stopped through ``until``; the ``in`` phase moves
+        ``in_layers`` (default: every layer not moved yet). Returns launches (1)."""
+        if plan.finished:
+            raise UlakvError("this plan has already been run to the end")
+        remaining = plan.layers_to_move()
+        in_layers = remaining if in_layers is None else in_layers
+        if in_layers and (in_layers.start != remaining.start or in_layers.stop > remaining.stop):
+            raise InvalidInputError(
+                f"in_layers must continue the layers not moved yet ({remaining}), got {in_layers}"
+            )
+        # Phase ``in`` runs again while some layers' rows have not come in.
+        start = Phase.IN if plan.applied >= Phase.IN and remaining else Phase(plan.applied + 1)
+        if until >= Phase.COMMIT and in_layers != remaining and start <= Phase.IN:
+            raise InvalidInputError("a plan commits only after every layer's rows are in")
+        launches = self.kernels.apply(
+            self.state,
+            plan.group,
+            plan.scratch,
+            plan.addresses,
+            plan.layers,
+            plan.rows,
+            plan.write_layer,
+            plan.slots,
+            phases=(int(start), int(until)),
+            in_layers=in_layers if start <= Phase.IN <= until else range(0),
+        )
+        if start <= Phase.IN <= until:
+            plan.layers_in.update(in_layers)
+        plan.applied = max(plan.applied, int(until))
+        return launches
+
+    def run(
+        self, group: int, flat: torch.Tensor, *, rows: torch.Tensor | None = None, layer: int = 0
+    ) -> tuple[torch.Tensor | None, int]:
+        """Plan and run one ``prepare`` or ``write``; returns the slots (prepare only) and the
+        number of kernel launches (4)."""
+        plan, launches = self.plan(group, flat, rows=rows, layer=layer)
+        launches += self.execute(plan)
+        return plan.slots, launches
 
     def release(self, addrs: torch.Tensor) -> int:
         return release_mod.release(addrs, self.state)

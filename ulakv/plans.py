@@ -1,0 +1,125 @@
+"""Transfer plans: what one selection needs moved, as data on the device.
+
+A ``prepare`` or ``write`` is split the way FlashInfer splits plan from run. *Planning* (the lookup
+and plan kernels) decides, on the device and without a host sync, every move the call needs and
+writes it into the layout's call scratch: which elements miss (``miss_pos``), where each miss lives
+now (``home``: the source row), which GPU slot receives it (``victims``: the destination row), which
+free CPU row receives the entry it evicts (``popped``), and per-chunk offsets. *Running* the plan
+(the apply kernel) carries those moves out in four phases (``Phase``): data, then mapping, twice,
+and then the signal (a CUDA event per layer; on CPU every call completes before it returns).
+
+After every phase each entry is readable at the home its mapping names, so a plan stopped between
+phases loses nothing; the pool finishes it (runs the phases left) before its next call.
+``interrupt_after`` stops a pool's next plan on purpose, for tests of exactly that.
+
+A plan holds the scratch until it is finished: one plan per pool is in flight at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import UlakvError
+from .kernels import common as K
+
+
+class Phase(enum.IntEnum):
+    """The phases of running a plan, in order (see ``ulakv.kernels.apply``)."""
+
+    OUT = int(K.PH_OUT)  # data: victims' rows to free CPU rows
+    EVICT = int(K.PH_EVICT)  # mapping: victims live on the CPU; slots are output
+    IN = int(K.PH_IN)  # data: misses' rows into their GPU slots (per layer)
+    COMMIT = int(K.PH_COMMIT)  # mapping: misses live on the GPU; their CPU rows are freed
+
+
+class PlanInterrupted(UlakvError):
+    """A plan stopped after ``phase`` (by ``interrupt_after``). Every entry is readable at the
+    home its mapping names; the pool finishes the plan before its next call."""
+
+    def __init__(self, message: str, phase: Phase) -> None:
+        super().__init__(message)
+        self.phase = phase
+
+
+@dataclass(eq=False)
+class TransferPlan:
+    """The moves of one ``prepare`` or ``write`` of group ``group``, planned on the device.
+
+    The tensors are views of the layout's call scratch: valid until the plan is finished and the
+    next call plans. ``applied`` is the last phase carried out (0: none) and ``layers_in`` the layers
+    whose rows the ``in`` phase has moved. ``ready[layer]`` is the signal: a CUDA event recorded
+    once that layer's rows are in (``None`` on CPU, where running returns when the work is done).
+    """
+
+    group: int
+    layers: range
+    addresses: torch.Tensor  # [T] the flattened selection
+    scratch: object  # the layout's CallScratch
+    slots: torch.Tensor | None  # int32 [T]: the output of a prepare
+    rows: torch.Tensor | None  # the rows of a write, as words
+    write_layer: int
+    ctl: torch.Tensor  # the pool's control words (the plan's totals live there)
+    applied: int = 0
+    layers_in: set[int] = field(default_factory=set)
+    ready: dict[int, object] = field(default_factory=dict)
+
+    @property
+    def is_write(self) -> bool:
+        return self.rows is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.applied >= Phase.COMMIT
+
+    def layers_to_move(self) -> range:
+        """The group's layers whose rows the ``in`` phase has not moved yet (a suffix)."""
+        start = max(self.layers_in) + 1 if self.layers_in else self.layers.start
+        return range(start, self.layers.stop)
+
+    def describe(self) -> dict[str, torch.Tensor]:
+        """The plan's moves as host tensors (synchronises; for tests and debugging): per miss its
+        selection position, address, source home (mapping value), destination GPU slot (-1: none)
+        and the CPU row that receives its victim or itself (-1: none)."""
+        sc = self.scratch
+        T = self.addresses.numel()
+        chunks = -(-T // K.CHUNK)
+        counts = sc.counts[:chunks, int(K.C_NEED)].cpu().tolist()
+        pos = torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n].cpu() for c, n in enumerate(counts)])
+        pos = pos.to(torch.int64)
+        ctl = self.ctl.cpu()
+        k_free, victims = int(ctl[int(K.E_KFREE)]), int(ctl[int(K.E_VICTIMS)])
+        j = torch.arange(pos.numel())
+        dest = torch.where(j < victims, sc.victims[: pos.numel()].cpu().to(torch.int64), -1)
+        popped = sc.popped.cpu().to(torch.int64)
+        cpu_row = torch.where(j >= k_free, popped[(j - k_free).clamp(min=0, max=popped.numel() - 1)], -1)
+        return {
+            "position": pos,
+            "address": self.addresses.cpu()[pos].to(torch.int64),
+            "source": sc.home.cpu()[pos].to(torch.int64),
+            "gpu_slot": dest,
+            "cpu_row": cpu_row,
+        }
+
+
+@contextlib.contextmanager
+def interrupt_after(pool, phase: Phase | str) -> Iterator[None]:
+    """Make ``pool``'s next plan stop after ``phase`` ("out", "evict", "in" or a ``Phase``) and
+    raise ``PlanInterrupted``: a fault injected between a plan's data and its mapping update."""
+    if isinstance(phase, str):
+        names = {name.lower(): p for name, p in Phase.__members__.items()}
+        if phase not in names:
+            raise ValueError(f"phase must be one of {sorted(names)}, got {phase!r}")
+        phase = names[phase]
+    phase = Phase(phase)
+    if phase >= Phase.COMMIT:
+        raise ValueError("a plan interrupted after its commit is a finished plan")
+    pool._interrupt = phase
+    try:
+        yield
+    finally:
+        pool._interrupt = None
