@@ -59,10 +59,9 @@ def run_stagewise(
     slots = torch.full((T,), POISON, dtype=torch.int32)
     words = K.as_words(rows) if rows is not None else None
     write = rows is not None
-    max_sel = pool.config.layout.max_selection
     stages = [
         ("lookup", lambda k, s, sc: k.lookup(s, group, flat, sc, write)),
-        ("plan", lambda k, s, sc: k.plan(s, group, sc, T, write, len(layers) * width, width, max_sel)),
+        ("plan", lambda k, s, sc: k.plan(s, group, sc, T, write, len(layers) * width, width)),
     ]
     for phases, in_layers in apply_steps(layers, split and not write):
         stages.append(

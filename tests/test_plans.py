@@ -127,16 +127,18 @@ def test_commit_needs_every_layer() -> None:
     pool.check_invariants()
 
 
-def test_staging_rows_bound_the_selection() -> None:
-    """With 3 staging rows a prepare may select 3 distinct addresses; 4 fail and change nothing."""
-    pool, addrs, expected = full_pool(ExactLRU(), staging_slots=3)
+@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+def test_staging_rows_bound_the_selection(policy) -> None:
+    """With 3 staging rows a prepare may select 3 distinct addresses; 4 fail and change nothing
+    (PB-LRU's lookup touches no bucket for a call the plan will refuse)."""
+    pool, addrs, expected = full_pool(policy, staging_slots=3)
     assert pool.config.layout.max_selection == 3
-    sel = cpu_resident(pool, 0, addrs)[:4]
+    sel = torch.cat([cpu_resident(pool, 0, addrs)[:2], addrs[pool.residency(0, addrs) >= 0][:2]])
     before = pool.state_dict()
     with pytest.raises(CapacityError, match="staging_slots 3"):
         pool.prepare(0, sel.reshape(1, 4))
     assert_same_state(before, pool.state_dict(), ignore=("pending",))
-    pool.prepare(0, sel[:3].reshape(1, 3))
+    pool.prepare(0, sel[1:].reshape(1, 3))
     pool.check_invariants()
     assert_all_readable(pool, addrs, expected)
 

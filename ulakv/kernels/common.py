@@ -23,7 +23,8 @@ E_KFREE = tl.constexpr(4)  # misses served from free GPU slots this call
 E_VICTIMS = tl.constexpr(5)  # misses that got a GPU slot this call (free or evicted)
 E_PUSH_BASE = tl.constexpr(6)  # where freed CPU slots are pushed on the CPU free stack
 E_DISTINCT = tl.constexpr(7)  # distinct addresses of the call in flight (counted by the claim)
-CTL_WORDS = 8
+E_MAX_SELECTION = tl.constexpr(8)  # most distinct addresses a prepare may select (set at build)
+CTL_WORDS = 9
 
 # gctl: one row per layer group.
 G_ROUND = tl.constexpr(0)  # rounds started by prepare

@@ -106,7 +106,7 @@ def classify_kernel(
         # claim already settled the status, so a call that will be refused touches nothing.
         go = tl.load(ctl_ptr + K.E_STATUS) == 0
         if not WRITE:
-            go = go & (tl.load(ctl_ptr + K.E_DISTINCT) <= G)
+            go = go & (tl.load(ctl_ptr + K.E_DISTINCT) <= tl.load(ctl_ptr + K.E_MAX_SELECTION))
         if go:
             rnd = tl.load(gctl_ptr + K.G_ROUND)
             cur = rnd if WRITE else rnd + 1
@@ -217,7 +217,7 @@ def lookup_reference(st, g: int, sel, scratch, write: bool) -> None:
             counts[int(K.C_CPU_FIRST)] += first and on_cpu
         scratch.counts[chunk] = torch.tensor(counts, dtype=scratch.counts.dtype)
     ctl[int(K.E_STATUS)] |= status
-    go = status == 0 and (write or int(ctl[int(K.E_DISTINCT)]) <= G)
+    go = status == 0 and (write or int(ctl[int(K.E_DISTINCT)]) <= int(ctl[int(K.E_MAX_SELECTION)]))
     if st.policy == K.PBLRU and go:
         rnd = int(st.gctl[g, int(K.G_ROUND)])
         hits = [

@@ -53,7 +53,6 @@ def plan_kernel(
     chunk_off_ptr,
     group_row_bytes,
     layer_row_bytes,
-    max_selection,
     bits_ptr,
     BW,
     lvl_ptr,
@@ -83,7 +82,7 @@ def plan_kernel(
         MC += tl.sum(tl.load(row + K.C_NEED_CPU, mask=cm, other=0), axis=0)
         CF += tl.sum(tl.load(row + K.C_CPU_FIRST, mask=cm, other=0), axis=0)
     if not WRITE:
-        if max_selection < D:
+        if tl.load(ctl_ptr + K.E_MAX_SELECTION) < D:
             status = status | K.ST_TOO_LARGE
     if status == 0:
         head = tl.load(gctl_ptr + K.G_HEAD)
@@ -272,10 +271,8 @@ def plan(
     write: bool,
     group_row_bytes: int,
     layer_row_bytes: int,
-    max_selection: int,
 ) -> int:
-    """Launch the plan for group ``g`` of ``st`` (a TieredState); a prepare of more than
-    ``max_selection`` distinct addresses fails. Returns launches."""
+    """Launch the plan for group ``g`` of ``st`` (a TieredState); returns launches."""
     plan_kernel[(1,)](
         scratch.home,
         scratch.counts,
@@ -299,7 +296,6 @@ def plan(
         scratch.chunk_off,
         group_row_bytes,
         layer_row_bytes,
-        max_selection,
         *st.pblru_args(g),
         WRITE=write,
         POLICY=st.policy,
@@ -317,7 +313,6 @@ def plan_reference(
     write: bool,
     group_row_bytes: int,
     layer_row_bytes: int,
-    max_selection: int,
 ) -> None:
     """Plain-Python twin of :func:`plan`: walks misses and queue entries one at a time."""
     Qcap, C = st.q_slot.shape[1], K.CHUNK
@@ -328,7 +323,7 @@ def plan_reference(
     D, H, M = int(ctl[int(K.E_DISTINCT)]), total[int(K.C_HITS)], total[int(K.C_NEED)]
     MC, CF = total[int(K.C_NEED_CPU)], total[int(K.C_CPU_FIRST)]
     status, epoch = int(ctl[int(K.E_STATUS)]), int(ctl[int(K.E_EPOCH)])
-    if not write and max_selection < D:
+    if not write and int(ctl[int(K.E_MAX_SELECTION)]) < D:
         status |= int(K.ST_TOO_LARGE)
     if status == 0:
         head, tail = int(gctl[int(K.G_HEAD)]), int(gctl[int(K.G_TAIL)])

@@ -118,6 +118,7 @@ class TieredState(_Tensors):
             else torch.empty((L, C + 1, B), dtype=torch.uint8, device=device),
         )
         state.ctl[int(K.E_EPOCH)] = 1
+        state.ctl[int(K.E_MAX_SELECTION)] = layout.max_selection
         state.mapping.fill_(-1)
         state.reset_residency()
         return state
@@ -276,9 +277,7 @@ class TieredLayout:
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
         launches = kernels.lookup(st, group, flat, scratch, write)
-        launches += kernels.plan(
-            st, group, scratch, T, write, len(layers) * width, width, cfg.layout.max_selection
-        )
+        launches += kernels.plan(st, group, scratch, T, write, len(layers) * width, width)
         if not write and slots is None:
             slots = torch.empty(T, dtype=torch.int32, device=flat.device)
         plan = TransferPlan(
