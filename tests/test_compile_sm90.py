@@ -16,7 +16,6 @@ KERNELS = [
     "claim_kernel",
     "classify_kernel",
     "gather_kernel",
-    "plan_kernel",
     "release_kernel",
 ]
 

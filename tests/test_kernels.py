@@ -1,7 +1,8 @@
 """Every kernel against its plain reference, stage by stage, on states reached by real traffic.
 
-Each stage of a call (lookup, plan, apply) starts from the same state and the same poisoned
-scratch; the Triton kernel and the reference must leave every tensor bit-identical.
+Each stage of a call (plan: claim, then classify + plan; apply, whole or in the phase steps an engine
+uses) starts from the same state and the same poisoned scratch; the Triton kernels and the
+references must leave every tensor bit-identical.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from ulakv.kernels import apply as apply_mod
 from ulakv.kernels import common as K
 from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import lookup as lookup_mod
-from ulakv.kernels import plan as plan_mod
 from ulakv.kernels import release as release_mod
 from ulakv.layouts.tiered import REFERENCE, TRITON
 from ulakv.plans import Phase
@@ -59,10 +59,7 @@ def run_stagewise(
     slots = torch.full((T,), POISON, dtype=torch.int32)
     words = K.as_words(rows) if rows is not None else None
     write = rows is not None
-    stages = [
-        ("lookup", lambda k, s, sc: k.lookup(s, group, flat, sc, write)),
-        ("plan", lambda k, s, sc: k.plan(s, group, sc, T, write, len(layers) * width, width)),
-    ]
+    stages = [("plan", lambda k, s, sc: k.plan(s, group, flat, sc, write, len(layers) * width, width))]
     for phases, in_layers in apply_steps(layers, split and not write):
         stages.append(
             (
@@ -200,6 +197,5 @@ def test_gather_matches_reference(width) -> None:
 
 def test_references_are_what_the_layout_runs() -> None:
     """The stage table the layout uses points at the kernels these tests exercise."""
-    assert TRITON.lookup is lookup_mod.lookup
-    assert TRITON.plan is plan_mod.plan
+    assert TRITON.plan is lookup_mod.lookup_and_plan
     assert TRITON.apply is apply_mod.apply

@@ -24,7 +24,8 @@ E_VICTIMS = tl.constexpr(5)  # misses that got a GPU slot this call (free or evi
 E_PUSH_BASE = tl.constexpr(6)  # where freed CPU slots are pushed on the CPU free stack
 E_DISTINCT = tl.constexpr(7)  # distinct addresses of the call in flight (counted by the claim)
 E_MAX_SELECTION = tl.constexpr(8)  # most distinct addresses a prepare may select (set at build)
-CTL_WORDS = 9
+E_ARRIVED = tl.constexpr(9)  # classify programs done this call; the last one plans, then clears it
+CTL_WORDS = 10
 
 # gctl: one row per layer group.
 G_ROUND = tl.constexpr(0)  # rounds started by prepare

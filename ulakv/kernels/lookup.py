@@ -1,6 +1,6 @@
-"""Lookup: logical address -> home, with validation, dedup, hit mask and protection, fused.
-
-Two launches over the flattened selection (``CHUNK`` elements a program):
+"""Lookup and plan: logical address -> home, with validation, dedup, hit mask and protection, and
+the plan of every move, fused into two launches over the flattened selection (``CHUNK`` elements a
+program):
 
 1. ``claim``: validate every address (in range, live) and claim it: ``atomic_max`` of
    ``(epoch << 32) | ~position`` into a per-address word, so the lowest position of this call wins.
@@ -11,10 +11,19 @@ Two launches over the flattened selection (``CHUNK`` elements a program):
    count distinct/hit/miss, mark their GPU slot as protected for this call, and list the misses of
    their chunk in order. Duplicates (speculative query positions, layers' repeats) only read.
 
-Dedup needs every claim to land before any program reads one, and Triton has no grid-wide barrier:
-that is the one reason this is two launches. Claims and marks are epoch-tagged scratch; the only pool
-state ``classify`` changes is a policy's recency (PB-LRU moves hits to the current bucket), and only
-when the status says the call will go through, so a refused call changes nothing.
+3. ``plan`` (``ulakv.kernels.plan``): the last ``classify`` program to finish runs it. Each program
+   ends with a barrier and an acquire-release ``atomic_add`` on an arrival counter; the program that
+   draws ticket ``P - 1`` has seen every other program's stores (each released them, the chain of
+   read-modify-writes carries them, its acquire takes them), so it plans without a launch of its
+   own. One launch fewer a call: 3 per ``prepare`` instead of 4, and room for the engine's
+   cross-layer split within 4. (The same release/acquire handshake PyTorch Inductor's grid barrier
+   uses; Triton runs a scalar atomic once per program.)
+
+Dedup needs every claim to land before any program reads one, and no program may wait for another
+(they need not all be resident): that is the one reason this is two launches. Claims and marks are
+epoch-tagged scratch; the only pool state ``classify`` changes is a policy's recency (PB-LRU moves
+hits to the current bucket), and only when the status says the call will go through, so a refused
+call changes nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from ..policies import pblru
 from ..policies.pblru import PBLRUBits
 from . import common as K
 from ._triton import tl, triton
+from .plan import BLOCK, plan_program, plan_reference
 
 
 @triton.jit
@@ -74,9 +84,22 @@ def classify_kernel(
     R,
     frontier_ptr,
     frontier_size,
+    stats_ptr,
+    ver_ptr,
+    q_slot_ptr,
+    q_ver_ptr,
+    Qcap,
+    gpu_free_ptr,
+    cpu_free_ptr,
+    victims_ptr,
+    popped_ptr,
+    chunk_off_ptr,
+    group_row_bytes,
+    layer_row_bytes,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
@@ -130,10 +153,55 @@ def classify_kernel(
     tl.store(row + K.C_NEED_CPU, tl.sum((need & on_cpu).to(tl.int32), axis=0))
     tl.store(row + K.C_CPU_FIRST, tl.sum((first & on_cpu).to(tl.int32), axis=0))
 
+    # -- the last program to arrive plans the call --------------------------------------------------
+    P = tl.num_programs(0)
+    tl.debug_barrier()  # every thread's stores precede the release below
+    ticket = tl.atomic_add(ctl_ptr + K.E_ARRIVED, 1, sem="acq_rel")
+    if ticket == P - 1:
+        tl.debug_barrier()
+        tl.store(ctl_ptr + K.E_ARRIVED, 0)
+        plan_program(
+            home_ptr,
+            counts_ptr,
+            miss_pos_ptr,
+            P,
+            G,
+            N,
+            ctl_ptr,
+            gctl_ptr,
+            stats_ptr,
+            ver_ptr,
+            q_slot_ptr,
+            q_ver_ptr,
+            Qcap,
+            mark_ptr,
+            claim_ptr,
+            gpu_free_ptr,
+            cpu_free_ptr,
+            victims_ptr,
+            popped_ptr,
+            chunk_off_ptr,
+            group_row_bytes,
+            layer_row_bytes,
+            bits_ptr,
+            BW,
+            lvl_ptr,
+            n_levels,
+            stamp_ptr,
+            R,
+            frontier_ptr,
+            frontier_size,
+            WRITE,
+            POLICY,
+            CHUNK,
+            BLOCK,
+        )
 
-def lookup(st, g: int, sel, scratch, write: bool) -> int:
-    """Launch claim + classify over the flat selection ``sel`` for group ``g`` of ``st`` (a
-    TieredState); returns the number of launches."""
+
+def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int) -> int:
+    """Launch claim, then classify + plan, over the flat selection ``sel`` for group ``g`` of
+    ``st`` (a TieredState). ``group_row_bytes`` and ``layer_row_bytes`` price the moves in the
+    stats. Returns the number of launches (2)."""
     T = sel.numel()
     grid = (triton.cdiv(T, K.CHUNK),)
     mapping, claim, mark, ctl, gpu_slots = st.mapping[g], st.claim, st.mark, st.ctl, st.gpu_slots
@@ -156,11 +224,32 @@ def lookup(st, g: int, sel, scratch, write: bool) -> int:
         scratch.first_pos,
         st.gctl[g],
         *st.pblru_args(g),
+        st.stats,
+        st.ver[g],
+        st.q_slot[g],
+        st.q_ver[g],
+        st.q_slot.shape[1],
+        st.gpu_free[g],
+        st.cpu_free[g],
+        scratch.victims,
+        scratch.popped,
+        scratch.chunk_off,
+        group_row_bytes,
+        layer_row_bytes,
         WRITE=write,
         POLICY=st.policy,
         CHUNK=K.CHUNK,
+        BLOCK=BLOCK,
     )
     return 2
+
+
+def lookup_and_plan_reference(
+    st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int
+) -> None:
+    """Plain-Python twin of :func:`lookup_and_plan`."""
+    lookup_reference(st, g, sel, scratch, write)
+    plan_reference(st, g, scratch, sel.numel(), write, group_row_bytes, layer_row_bytes)
 
 
 def lookup_reference(st, g: int, sel, scratch, write: bool) -> None:

@@ -1,6 +1,8 @@
 """Plan: decide, on the device, where every miss goes and what leaves the GPU for it.
 
-One program (the work is O(misses + queue entries skipped + chunks), never O(pool)):
+One program (the work is O(misses + queue entries skipped + chunks), never O(pool)): the last
+program of the lookup's ``classify`` launch to finish runs it, so planning costs no launch of its own
+(see ``ulakv.kernels.lookup``).
 
 1. Totals from the lookup's per-chunk counts; a prepare with more distinct addresses than the
    layout's ``max_selection`` (GPU slots, or staging rows) fails here, before anything changed.
@@ -30,7 +32,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def plan_kernel(
+def plan_program(
     home_ptr,
     counts_ptr,
     miss_pos_ptr,
@@ -261,48 +263,6 @@ def plan_kernel(
         tl.store(ctl_ptr + K.E_EPOCH, 1)
     else:
         tl.store(ctl_ptr + K.E_EPOCH, epoch + 1)
-
-
-def plan(
-    st,
-    g: int,
-    scratch,
-    T: int,
-    write: bool,
-    group_row_bytes: int,
-    layer_row_bytes: int,
-) -> int:
-    """Launch the plan for group ``g`` of ``st`` (a TieredState); returns launches."""
-    plan_kernel[(1,)](
-        scratch.home,
-        scratch.counts,
-        scratch.miss_pos,
-        triton.cdiv(T, K.CHUNK),
-        st.gpu_slots,
-        st.num_addresses,
-        st.ctl,
-        st.gctl[g],
-        st.stats,
-        st.ver[g],
-        st.q_slot[g],
-        st.q_ver[g],
-        st.q_slot.shape[1],
-        st.mark,
-        st.claim,
-        st.gpu_free[g],
-        st.cpu_free[g],
-        scratch.victims,
-        scratch.popped,
-        scratch.chunk_off,
-        group_row_bytes,
-        layer_row_bytes,
-        *st.pblru_args(g),
-        WRITE=write,
-        POLICY=st.policy,
-        CHUNK=K.CHUNK,
-        BLOCK=BLOCK,
-    )
-    return 1
 
 
 def plan_reference(

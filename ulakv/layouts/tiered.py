@@ -1,7 +1,7 @@
 """The exclusive tiered layout: every entry on the GPU or on the CPU, never both.
 
 ``TieredState`` holds every device tensor of a tiered pool; ``TieredLayout`` runs the kernels of one
-``prepare`` or ``write`` in order (lookup, plan, apply: four launches) and of ``release`` and
+``prepare`` or ``write`` in order (claim, classify + plan, apply: three launches) and of ``release`` and
 ``read``. Nothing here reads a device value on the host.
 """
 
@@ -18,7 +18,6 @@ from ..kernels import apply as apply_mod
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
 from ..kernels import lookup as lookup_mod
-from ..kernels import plan as plan_mod
 from ..kernels import release as release_mod
 from ..kernels._triton import triton
 from ..plans import Phase, TransferPlan
@@ -224,22 +223,20 @@ class CallScratch(_Tensors):
 
 @dataclass(frozen=True)
 class Kernels:
-    """The stages of a call. Tests swap any of them for its plain reference (same signature)."""
+    """The two stages of a call: plan (claim, then classify + plan) and apply. Tests swap either
+    for its plain reference (same signature)."""
 
-    lookup: Callable
     plan: Callable
     apply: Callable
 
     def returning_launches(self) -> Kernels:
-        """References return None; count them as one launch per stage like the kernels they mirror."""
+        """References return None; count them as the launches of the kernels they mirror."""
         wrap = lambda fn, n: lambda *a, **k: (fn(*a, **k), n)[1]
-        return Kernels(wrap(self.lookup, 2), wrap(self.plan, 1), wrap(self.apply, 1))
+        return Kernels(wrap(self.plan, 2), wrap(self.apply, 1))
 
 
-TRITON = Kernels(lookup_mod.lookup, plan_mod.plan, apply_mod.apply)
-REFERENCE = Kernels(
-    lookup_mod.lookup_reference, plan_mod.plan_reference, apply_mod.apply_reference
-).returning_launches()
+TRITON = Kernels(lookup_mod.lookup_and_plan, apply_mod.apply)
+REFERENCE = Kernels(lookup_mod.lookup_and_plan_reference, apply_mod.apply_reference).returning_launches()
 
 
 class TieredLayout:
@@ -276,8 +273,7 @@ class TieredLayout:
         scratch = self.scratch(T)
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
-        launches = kernels.lookup(st, group, flat, scratch, write)
-        launches += kernels.plan(st, group, scratch, T, write, len(layers) * width, width)
+        launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width)
         if not write and slots is None:
             slots = torch.empty(T, dtype=torch.int32, device=flat.device)
         plan = TransferPlan(
@@ -328,7 +324,7 @@ class TieredLayout:
         self, group: int, flat: torch.Tensor, *, rows: torch.Tensor | None = None, layer: int = 0
     ) -> tuple[torch.Tensor | None, int]:
         """Plan and run one ``prepare`` or ``write``; returns the slots (prepare only) and the
-        number of kernel launches (4)."""
+        number of kernel launches (3)."""
         plan, launches = self.plan(group, flat, rows=rows, layer=layer)
         launches += self.execute(plan)
         return plan.slots, launches
