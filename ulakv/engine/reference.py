@@ -25,6 +25,7 @@ import torch
 
 from ..config import EntrySpec, PoolConfig, Tiered
 from ..pool import Pool
+from .adapter import GroupStep, SparseKV
 
 LATENT = 512
 ROPE = 64
@@ -82,9 +83,18 @@ class DenseKV:
 
 
 class PoolKV:
-    """Latents in a ulakv pool: positions become logical addresses, selections become GPU slots."""
+    """Latents in a ulakv pool, through the engine adapter: positions become logical addresses, a
+    group's selection becomes one ``GroupStep`` whose slots every layer of the group reads after
+    waiting for its own rows. ``prefetch`` splits each group's moves (first layer, then the rest)."""
 
-    def __init__(self, spec: DecoderSpec, layout: Tiered, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        layout: Tiered,
+        device: str = "cpu",
+        max_batch: int = 16,
+        prefetch: bool | None = True,
+    ) -> None:
         self.pool = Pool(
             PoolConfig(
                 entry=EntrySpec(bytes_per_layer=WIDTH * 2),
@@ -94,13 +104,16 @@ class PoolKV:
                 device=device,
             )
         )
+        self.kv = SparseKV(
+            self.pool, max_batch=max_batch, top_k=spec.topk, max_queries=spec.queries, prefetch=prefetch
+        )
         self.seqs: dict[int, object] = {}
 
     def admit(self, rid: int) -> None:
         self.seqs[rid] = self.pool.admit(0)
 
     def release(self, rid: int) -> None:
-        self.pool.release(self.seqs.pop(rid))
+        self.kv.release(self.seqs.pop(rid))
 
     def write(self, layer: int, rids: list[int], positions: list[int], latents: torch.Tensor) -> None:
         addrs = []
@@ -109,21 +122,22 @@ class PoolKV:
             if layer == 0 and p == len(seq):
                 self.pool.extend(seq, 1)
             addrs.append(seq.addresses[p])
-        self.pool.write(layer, torch.stack(addrs), latents.contiguous().view(torch.uint8).view(len(rids), -1))
+        self.kv.write(layer, torch.stack(addrs), latents.contiguous().view(torch.uint8).view(len(rids), -1))
 
-    def select(self, group: int, rids: list[int], positions: torch.Tensor) -> torch.Tensor:
+    def select(self, group: int, rids: list[int], positions: torch.Tensor) -> GroupStep:
         addrs = torch.stack(
             [
                 torch.where(positions[b] >= 0, self.seqs[r].addresses[positions[b].clamp(min=0)], -1)
                 for b, r in enumerate(rids)
             ]
         )
-        return self.pool.prepare(group, addrs).slots
+        return self.kv.prepare(group, addrs)
 
-    def rows(self, layer: int, rids: list[int], handle: torch.Tensor) -> torch.Tensor:
+    def rows(self, layer: int, rids: list[int], step: GroupStep) -> torch.Tensor:
+        slots = step.wait(layer)
         buf = self.pool.gpu_buffer(layer).view(torch.bfloat16)
-        out = buf[handle.clamp(min=0).long()]
-        return torch.where((handle >= 0)[..., None], out, torch.zeros((), dtype=out.dtype))
+        out = buf[slots.clamp(min=0).long()]
+        return torch.where((slots >= 0)[..., None], out, torch.zeros((), dtype=out.dtype))
 
 
 class TinyDecoder:

@@ -7,8 +7,10 @@ override. Every kernel module imports ``triton`` and ``tl`` from here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -20,7 +22,7 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-__all__ = ["INTERPRETED", "tl", "triton"]
+__all__ = ["INTERPRETED", "count_launches", "tl", "triton"]
 
 
 _language_core = tl.core  # with ``tl`` in this module's globals: every namespace the kernels use
@@ -67,3 +69,25 @@ def _patch_language_once_per_launch() -> None:
 
 if INTERPRETED:
     _patch_language_once_per_launch()
+
+
+@contextlib.contextmanager
+def count_launches() -> Iterator[list[str]]:
+    """Record the name of every Triton kernel launched inside the block, in order: what the hot
+    path really costs, counted at Triton's launch entry (not by our own bookkeeping)."""
+    if INTERPRETED:
+        from triton.runtime.interpreter import InterpretedFunction as launcher
+    else:
+        from triton.runtime.jit import JITFunction as launcher
+    original = launcher.run
+    names: list[str] = []
+
+    def run(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    launcher.run = run
+    try:
+        yield names
+    finally:
+        launcher.run = original

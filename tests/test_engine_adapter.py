@@ -1,0 +1,186 @@
+"""The engine adapter: launches and host syncs per group-step, fixed buffers, the prefetch split.
+
+Launches are counted at Triton's launch entry (``count_launches``), not by the pool's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import random_rows
+from nosync import no_host_sync
+
+from ulakv import PBLRU, EntrySpec, ExactLRU, InvalidInputError, Pool, PoolConfig, Tiered
+from ulakv.engine import SparseKV
+from ulakv.kernels._triton import count_launches
+
+WIDTH, LAYERS, PER_GROUP = 8, 5, 3  # groups of 3 and 2 layers
+POLICIES = [ExactLRU(), PBLRU(4)]
+
+
+def engine(policy, gpu: int, cpu: int, *, max_batch: int, top_k: int, queries: int = 1, prefetch=True):
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=WIDTH),
+            num_layers=LAYERS,
+            layers_per_group=PER_GROUP,
+            layout=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=policy),
+            validate=False,
+        )
+    )
+    kv = SparseKV(pool, max_batch=max_batch, top_k=top_k, max_queries=queries, prefetch=prefetch)
+    return pool, kv
+
+
+def fill(pool: Pool, kv: SparseKV, requests: int, tokens: int, seed: int = 0):
+    """Admit ``requests`` requests of ``tokens`` tokens and write every layer; returns the
+    sequences and the expected bytes per (layer, address)."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs, expected = [], {}
+    for _ in range(requests):
+        seq = pool.admit(tokens)
+        seqs.append(seq)
+        for layer in range(LAYERS):
+            rows = random_rows(gen, tokens, WIDTH)
+            kv.write(layer, seq.addresses, rows)
+            expected.update({(layer, a): r for a, r in zip(seq.addresses.tolist(), rows, strict=True)})
+    return seqs, expected
+
+
+def selection(rng: random.Random, seqs, batch: int, queries: int, k: int) -> torch.Tensor:
+    rows = []
+    for b in range(batch):
+        addrs = seqs[b % len(seqs)]._addresses
+        base = rng.sample(addrs, min(k, len(addrs)))
+        qs = []
+        for _ in range(queries):  # overlapping speculative selections, some padding
+            q = [a if rng.random() < 0.85 else rng.choice(addrs) for a in base]
+            q += [-1] * (k - len(q))
+            qs.append(q)
+        rows.append(qs)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru4"])
+@pytest.mark.parametrize(
+    ("batch", "prefetch", "bound"), [(1, True, 4), (3, True, 4), (37, True, 4), (37, False, 3)]
+)
+def test_group_step_launches_do_not_grow_with_batch(policy, batch, prefetch, bound) -> None:
+    """Per group-step: claim, classify + plan, apply (3); with the prefetch split, apply's first
+    layer and the rest are two launches (4). 37 x 2 x 16 = 1184 elements spans two chunks."""
+    pool, kv = engine(policy, gpu=1200, cpu=600, max_batch=37, top_k=16, queries=2, prefetch=prefetch)
+    seqs, _ = fill(pool, kv, requests=6, tokens=300)
+    rng = random.Random(batch)
+    for group in range(pool.num_groups):
+        sel = selection(rng, seqs, batch, 2, 16)
+        with count_launches() as names:
+            kv.prepare(group, sel)
+        split = prefetch and len(pool.group_layers(group)) > 1
+        assert names == ["claim_kernel", "classify_kernel", "apply_kernel"] + ["apply_kernel"] * split
+        assert len(names) <= bound
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru4"])
+def test_steps_through_the_adapter_never_sync(policy, monkeypatch) -> None:
+    """Decode steps through the adapter (prepare per group, each layer waits and reads its rows,
+    new tokens written) under a patch that fails any host sync; the bytes read are checked after."""
+    pool, kv = engine(policy, gpu=44, cpu=60, max_batch=4, top_k=7, queries=3)  # 68 tokens live
+    seqs, expected = fill(pool, kv, requests=4, tokens=12)
+    rng, gen = random.Random(7), torch.Generator().manual_seed(9)
+    # Inputs built before the patch: selections, and the new tokens' addresses and rows.
+    plan = []
+    for _ in range(5):
+        new = [pool.extend(seq, 1) for seq in seqs]  # admission is host bookkeeping (tested apart)
+        new_addrs = torch.cat(new)
+        writes = [(layer, new_addrs, random_rows(gen, len(seqs), WIDTH)) for layer in range(LAYERS)]
+        sels = [selection(rng, seqs, 4, 3, 7) for _ in range(pool.num_groups)]
+        plan.append((writes, sels))
+        for layer, addrs, rows in writes:
+            expected.update({(layer, a): r for a, r in zip(addrs.tolist(), rows, strict=True)})
+    read = []
+    with no_host_sync(monkeypatch):
+        for writes, sels in plan:
+            for layer, addrs, rows in writes:
+                kv.write(layer, addrs, rows)
+            for group, sel in enumerate(sels):
+                step = kv.prepare(group, sel)
+                for layer in step.layers:
+                    slots = step.wait(layer)
+                    read.append((layer, sel, pool.gpu_buffer(layer)[slots.clamp(min=0).long()].clone()))
+    pool.check()
+    assert pool.stats()["victims"] > 0  # under pressure: entries left the GPU and came back
+    for layer, sel, got in read:
+        for a, row in zip(sel.reshape(-1).tolist(), got.reshape(-1, WIDTH), strict=True):
+            if a >= 0:
+                assert torch.equal(row, expected[(layer, a)])
+    pool.check_invariants()
+
+
+def test_steps_use_fixed_buffers() -> None:
+    """A step allocates nothing the graph would not own: the slots live in the adapter's buffer
+    and the call scratch is the one sized at construction."""
+    pool, kv = engine(ExactLRU(), gpu=40, cpu=40, max_batch=5, top_k=6, queries=3)
+    seqs, _ = fill(pool, kv, requests=3, tokens=20)
+    scratch = pool._layout._scratch
+    assert scratch.capacity >= 5 * 3 * 6
+    rng = random.Random(1)
+    for batch in (5, 2, 4):
+        for group in range(pool.num_groups):
+            step = kv.prepare(group, selection(rng, seqs, batch, 3, 6))
+            assert step.slots.data_ptr() == kv._slots[group].data_ptr()
+            assert pool._layout._scratch is scratch
+
+
+def test_selection_beyond_the_bounds_is_refused() -> None:
+    pool, kv = engine(ExactLRU(), gpu=40, cpu=40, max_batch=2, top_k=4, queries=1)
+    seq = pool.admit(8)
+    with pytest.raises(InvalidInputError, match="exceeds the adapter's bounds"):
+        kv.prepare(0, seq.addresses[:5].reshape(1, 5))
+    with pytest.raises(InvalidInputError, match="exceeds the adapter's bounds"):
+        kv.prepare(0, seq.addresses[:6].reshape(3, 2))
+    with pytest.raises(InvalidInputError, match="exceeds the adapter's bounds"):
+        kv.prepare(0, seq.addresses[:4].reshape(1, 2, 2))
+    with pytest.raises(InvalidInputError, match="max_batch must be a positive int"):
+        SparseKV(pool, max_batch=0, top_k=4)
+    step = kv.prepare(1, seq.addresses[:4].reshape(1, 4))
+    with pytest.raises(InvalidInputError, match="not in group 1"):
+        step.wait(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_captured_step_replays_correctly() -> None:
+    """A group-step (both streams) captured in a CUDA graph replays to the same slots and bytes as
+    the eager step it was captured from."""
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=656),
+            num_layers=4,
+            layers_per_group=4,
+            layout=Tiered(gpu_slots=256, cpu_slots=1024, policy=PBLRU(8)),
+            device="cuda",
+        )
+    )
+    kv = SparseKV(pool, max_batch=4, top_k=64)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [pool.admit(300) for _ in range(4)]
+    for seq in seqs:
+        for layer in range(4):
+            kv.write(layer, seq.addresses, random_rows(gen, 300, 656).cuda())
+    sel = torch.stack([s.addresses[torch.randperm(300, generator=gen)[:64].cuda()] for s in seqs])
+    kv.prepare(0, sel)  # warm up: compile every kernel outside the capture
+    kv.join()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step = kv.prepare(0, sel)
+        kv.join()
+    for _ in range(3):
+        sel.copy_(torch.stack([s.addresses[torch.randperm(300, generator=gen)[:64].cuda()] for s in seqs]))
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer in range(4):
+            got = pool.gpu_buffer(layer)[step.slots.long()].cpu()
+            want = pool.read(layer, sel.reshape(-1)).reshape(got.shape)
+            assert torch.equal(got, want)
+    pool.check_invariants()
