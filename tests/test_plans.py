@@ -17,8 +17,10 @@ G, C, WIDTH, LAYERS, PER_GROUP = 6, 10, 12, 4, 3  # groups of 3 and 1 layers
 POLICIES = [ExactLRU(), PBLRU(3)]
 
 
-def full_pool(policy, **layout) -> tuple[Pool, torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
-    """A pool whose every address is admitted and written, most of them on the CPU."""
+def full_pool(
+    policy, spare: int = 0, **layout
+) -> tuple[Pool, torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
+    """A pool whose every address but ``spare`` is admitted and written, most of them on the CPU."""
     cfg = PoolConfig(
         entry=EntrySpec(bytes_per_layer=WIDTH),
         num_layers=LAYERS,
@@ -26,7 +28,7 @@ def full_pool(policy, **layout) -> tuple[Pool, torch.Tensor, dict[tuple[int, int
         layout=Tiered(gpu_slots=G, cpu_slots=C, policy=policy, **layout),
     )
     pool = Pool(cfg)
-    seq = pool.admit(G + C)
+    seq = pool.admit(G + C - spare)
     addrs = seq.addresses
     gen = torch.Generator().manual_seed(11)
     expected = {}
@@ -80,6 +82,28 @@ def test_interrupted_plan_leaves_every_entry_readable_and_next_prepare_succeeds(
     assert_all_readable(pool, addrs, expected)
     stats = pool.stats()
     assert stats["misses"] == 5 and stats["hits"] == 5  # the second prepare found them resident
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+@pytest.mark.parametrize("phase", ["out", "in"])
+def test_interrupted_write_is_finished_by_the_next_call(policy, phase) -> None:
+    """A write of new tokens into a full GPU tier evicts; stopped after its data moved, the old
+    entries stay readable and the next call completes the write."""
+    pool, addrs, expected = full_pool(policy, spare=2)
+    resident = addrs[pool.residency(0, addrs) >= 0]
+    pool.prepare(0, resident[:1].reshape(1, 1))  # a new round: the other GPU entries may go
+    victims = pool.stats()["victims"]
+    new = pool.admit(2).addresses
+    rows = random_rows(torch.Generator().manual_seed(5), 2, WIDTH)
+    with interrupt_after(pool, phase), pytest.raises(PlanInterrupted):
+        pool.write(0, new, rows)
+    assert_all_readable(pool, addrs, expected)
+    pool.prepare(1, addrs[:2].reshape(1, 2))  # finishes the write first
+    pool.check_invariants()
+    assert pool.stats()["victims"] == victims + 2  # the write evicted for its new entries
+    assert torch.equal(pool.read(0, new), rows)
+    assert torch.equal(pool.read(1, new), torch.zeros_like(rows))  # other layers: not written yet
+    assert_all_readable(pool, addrs, expected)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
