@@ -34,6 +34,7 @@ from ulakv import (
     InvalidAddressError,
     Pool,
 )
+from ulakv.plans import PlanInterrupted, interrupt_after
 
 INDEX_DTYPES = st.sampled_from([torch.int32, torch.int64])
 
@@ -273,6 +274,14 @@ class PoolMachine(RuleBasedStateMachine):
             event("prepare: rejected, too many distinct")
             self._expect_rejected(CapacityError, lambda: self.pool.prepare(group, topk))
             return
+        stop = data.draw(st.sampled_from([None, None, None, "out", "evict", "in"]), label="interrupt after")
+        if stop is not None:
+            with interrupt_after(self.pool, stop), pytest.raises(PlanInterrupted):
+                self.pool.prepare(group, topk)
+            self.nothing_is_lost()  # mid-plan: every entry is readable where its mapping says
+            self.pool.check_invariants()  # finishes the plan; the prepare below then hits
+            self.homed.update((a, group) for a in distinct)
+            event(f"prepare: interrupted after {stop}, finished by the next call")
         before_res = self._residency(group, distinct)
         cpu_homed = sum(r < 0 and (a, group) in self.homed for a, r in zip(distinct, before_res, strict=True))
         s0 = self.pool.stats()
