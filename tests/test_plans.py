@@ -10,7 +10,17 @@ import pytest
 import torch
 from helpers import assert_same_state, random_rows
 
-from ulakv import PBLRU, CapacityError, ConfigError, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv import (
+    PBLRU,
+    CapacityError,
+    ConfigError,
+    EntrySpec,
+    ExactLRU,
+    InvalidInputError,
+    Pool,
+    PoolConfig,
+    Tiered,
+)
 from ulakv.plans import Phase, PlanInterrupted, interrupt_after
 
 G, C, WIDTH, LAYERS, PER_GROUP = 6, 10, 12, 4, 3  # groups of 3 and 1 layers
@@ -138,8 +148,24 @@ def test_plan_is_data() -> None:
     assert not live_cpu_rows & set(moves["cpu_row"].tolist())
     pool.run(plan)
     assert torch.equal(plan.slots.long(), moves["gpu_slot"])
-    with pytest.raises(Exception, match="already been run"):
+    with pytest.raises(InvalidInputError, match="not the pool's latest"):
         pool.run(plan)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+def test_a_plan_never_run_is_finished_by_the_next_call(policy) -> None:
+    """Planning already took slots from the free stacks and the policy: a plan left unrun is run
+    by the next call, and a stale plan cannot be run twice."""
+    pool, addrs, expected = full_pool(policy)
+    sel = cpu_resident(pool, 0, addrs)[:3].reshape(1, 3)
+    stale = pool.plan(0, sel)
+    pool.prepare(1, cpu_resident(pool, 1, addrs)[:2].reshape(1, 2))  # finishes `stale` first
+    assert stale.finished
+    assert torch.equal(pool.residency(0, sel), stale.slots)
+    with pytest.raises(InvalidInputError, match="not the pool's latest"):
+        pool.run(stale)
+    pool.check_invariants()
+    assert_all_readable(pool, addrs, expected)
 
 
 def test_commit_needs_every_layer() -> None:

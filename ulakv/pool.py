@@ -61,7 +61,9 @@ class Pool:
         self._layout = TieredLayout(config, self._state)
         self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
-        self._pending: TransferPlan | None = None  # a plan stopped part-way, finished next call
+        # The plan planned last and not yet run to the end: the plan kernel has already taken its
+        # slots from the free stacks and the policy, so the next call finishes it first.
+        self._pending: TransferPlan | None = None
         self._interrupt: Phase | None = None  # set by ulakv.plans.interrupt_after (tests)
 
     # -- shape of the pool ---------------------------------------------------------------------
@@ -168,16 +170,22 @@ class Pool:
         plan, launches = self._layout.plan(group, flat, slots=out)
         self._launches += launches
         self._raise_if_failed("prepare", flat)
+        self._pending = plan
         return plan
 
     def run(self, plan: TransferPlan, until: Phase = Phase.COMMIT, in_layers: range | None = None) -> None:
         """Run ``plan`` (from :meth:`plan`) through phase ``until``; the ``in`` phase moves the
         group's layers ``in_layers`` (default: all not moved yet). An engine runs the first layer
-        (``until=Phase.IN, in_layers=range(first, first + 1)``), then the rest on a side stream."""
+        (``until=Phase.IN, in_layers=range(first, first + 1)``), then the rest on a side stream.
+        Only the pool's latest plan runs: any other call in between finishes it first."""
+        if plan is not self._pending:
+            raise InvalidInputError(
+                "run: this plan is not the pool's latest (it was finished, or a later call planned); "
+                "plan again"
+            )
         stop = self._interrupt
         if stop is not None and stop < until:
             self._launches += self._layout.execute(plan, until=stop, in_layers=in_layers)
-            self._pending = plan
             raise PlanInterrupted(
                 f"plan for group {plan.group} interrupted after its {stop.name.lower()} phase; every "
                 "entry is readable at its old home, and the pool finishes the plan before its next call",
@@ -189,7 +197,8 @@ class Pool:
             self._after_call()
 
     def _finish_pending(self) -> None:
-        """Finish a plan that stopped part-way (its remaining phases), before anything else."""
+        """Finish the latest plan if it was not run to the end (never run, run in part, or
+        interrupted): its remaining phases, before anything else."""
         if self._pending is not None:
             plan, self._pending = self._pending, None
             self._launches += self._layout.execute(plan)
@@ -225,6 +234,7 @@ class Pool:
         )
         self._launches += launches
         self._raise_if_failed("write", addrs)
+        self._pending = plan
         self.run(plan)
 
     # -- slow paths ------------------------------------------------------------------------------
