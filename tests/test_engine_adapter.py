@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from helpers import random_rows
-from nosync import no_host_sync
+from nosync import no_host_sync, skip_under_debug
 
 from ulakv import PBLRU, EntrySpec, ExactLRU, InvalidInputError, Pool, PoolConfig, Tiered
 from ulakv.engine import SparseKV
@@ -82,6 +82,7 @@ def test_group_step_launches_do_not_grow_with_batch(policy, batch, prefetch, bou
         assert len(names) <= bound
 
 
+@skip_under_debug
 @pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru4"])
 def test_steps_through_the_adapter_never_sync(policy, monkeypatch) -> None:
     """Decode steps through the adapter (prepare per group, each layer waits and reads its rows,

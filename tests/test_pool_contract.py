@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from helpers import assert_same_state, pool_config, small_pool
-from nosync import HostSyncError, no_host_sync
+from nosync import HostSyncError, no_host_sync, skip_under_debug
 
 import ulakv
 from ulakv import (
@@ -497,6 +497,7 @@ def test_no_host_sync_patch_is_effective(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch.unique(t).tolist() == [1, 3]  # undone
 
 
+@skip_under_debug
 def test_hot_path_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = make_pool(gpu=7, cpu=13, bpl=5, layers=3, lpg=2, validate=False)
     model = Model(5)
@@ -802,6 +803,7 @@ def test_exact_lru_victims_hand_worked() -> None:
     pool.check_invariants()
 
 
+@skip_under_debug
 def test_admission_extend_and_release_never_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-step bookkeeping stays off the device's critical path too: host lists in, async copies."""
     pool = make_pool(gpu=5, cpu=9, bpl=4, layers=2, lpg=1, validate=False)
