@@ -12,7 +12,7 @@ import torch
 from helpers import random_rows
 from nosync import no_host_sync, skip_under_debug
 
-from ulakv import PBLRU, EntrySpec, ExactLRU, InvalidInputError, Pool, PoolConfig, Tiered
+from ulakv import PBLRU, EntrySpec, ExactLRU, InvalidAddressError, InvalidInputError, Pool, PoolConfig, Tiered
 from ulakv.engine import SparseKV
 from ulakv.kernels._triton import count_launches
 
@@ -20,14 +20,16 @@ WIDTH, LAYERS, PER_GROUP = 8, 5, 3  # groups of 3 and 2 layers
 POLICIES = [ExactLRU(), PBLRU(4)]
 
 
-def engine(policy, gpu: int, cpu: int, *, max_batch: int, top_k: int, queries: int = 1, prefetch=True):
+def engine(
+    policy, gpu: int, cpu: int, *, max_batch: int, top_k: int, queries: int = 1, prefetch=True, validate=False
+):
     pool = Pool(
         PoolConfig(
             entry=EntrySpec(bytes_per_layer=WIDTH),
             num_layers=LAYERS,
             layers_per_group=PER_GROUP,
             layout=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=policy),
-            validate=False,
+            validate=validate,
         )
     )
     kv = SparseKV(pool, max_batch=max_batch, top_k=top_k, max_queries=queries, prefetch=prefetch)
@@ -132,6 +134,22 @@ def test_steps_use_fixed_buffers() -> None:
             step = kv.prepare(group, selection(rng, seqs, batch, 3, 6))
             assert step.slots.data_ptr() == kv._slots[group].data_ptr()
             assert pool._layout._scratch is scratch
+
+
+def test_a_long_prefill_keeps_the_reserved_scratch() -> None:
+    """A write larger than the adapter's bound (a prefill) gets scratch of its own: the scratch a
+    captured step points at is never replaced."""
+    pool, kv = engine(ExactLRU(), gpu=64, cpu=2100, max_batch=1, top_k=8, validate=True)
+    scratch = pool._layout._scratch
+    seq = pool.admit(2000)  # > CHUNK elements: needs a scratch twice the reserved one
+    rows = random_rows(torch.Generator().manual_seed(2), 2000, WIDTH)
+    kv.write(0, seq.addresses, rows)
+    assert pool._layout._scratch is scratch
+    assert torch.equal(pool.read(0, seq.addresses), rows)
+    bad = seq.addresses.clone()
+    bad[1500] = 10**6
+    with pytest.raises(InvalidAddressError, match=r"\[1000000\]"):  # offenders from the call's scratch
+        kv.write(1, bad, rows)
 
 
 def test_selection_beyond_the_bounds_is_refused() -> None:

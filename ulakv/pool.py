@@ -90,6 +90,14 @@ class Pool:
         self._check_layer(layer)
         return self._state.gpu_data[layer]
 
+    def reserve_scratch(self, elements: int) -> None:
+        """Size the per-call scratch for selections of up to ``elements`` elements now and keep it
+        (for CUDA-graph capture: the captured kernels point at it); larger calls, such as a long
+        prefill write, get scratch of their own instead of replacing it."""
+        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
+            raise InvalidInputError(f"reserve_scratch: elements must be a positive int, got {elements!r}")
+        self._layout.reserve(elements)
+
     # -- admission -------------------------------------------------------------------------------
     def admit(self, num_tokens: int) -> Sequence:
         """A new request of ``num_tokens`` tokens; raises CapacityError and changes nothing if the
@@ -169,7 +177,7 @@ class Pool:
             return None
         plan, launches = self._layout.plan(group, flat, slots=out)
         self._launches += launches
-        self._raise_if_failed("prepare", flat)
+        self._raise_if_failed("prepare", plan)
         self._pending = plan
         return plan
 
@@ -233,7 +241,7 @@ class Pool:
             self.config.group_of(layer), addrs, rows=rows.contiguous(), layer=layer
         )
         self._launches += launches
-        self._raise_if_failed("write", addrs)
+        self._raise_if_failed("write", plan)
         self._pending = plan
         self.run(plan)
 
@@ -302,20 +310,20 @@ class Pool:
         return out
 
     # -- checks ----------------------------------------------------------------------------------
-    def _raise_if_failed(self, what: str, flat: torch.Tensor) -> None:
+    def _raise_if_failed(self, what: str, plan: TransferPlan) -> None:
         if not self._validate:
             return
         status = int(self._state.ctl[int(K.E_LAST_STATUS)])
         if status:
             self._state.ctl[int(K.E_PENDING)] = 0
-            raise self._status_error(what, status, flat)
+            raise self._status_error(what, status, plan)
 
-    def _status_error(self, what: str, status: int, flat: torch.Tensor | None) -> UlakvError:
+    def _status_error(self, what: str, status: int, plan: TransferPlan | None) -> UlakvError:
         if status & int(K.ST_BAD_ADDRESS):
             detail = ""
-            if flat is not None:
-                scratch = self._layout.scratch(flat.numel())
-                bad = (scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
+            if plan is not None:
+                flat = plan.addresses
+                bad = (plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
                 offenders = flat[bad][:5].tolist()
                 detail = f": {offenders}"
             return InvalidAddressError(

@@ -82,7 +82,7 @@ class SparseKV:
         self._prefetch = self._cuda if prefetch is None else bool(prefetch)
         # One slots buffer per group: a group's slots stay valid while later groups prepare.
         self._slots = torch.full((pool.num_groups, self.max_elements), -1, dtype=torch.int32, device=device)
-        pool._layout.scratch(self.max_elements)  # the call scratch, sized once for the largest step
+        pool.reserve_scratch(self.max_elements)  # sized once; a larger call (prefill) gets its own
         self._side = torch.cuda.Stream(device) if self._prefetch and self._cuda else None
         self._side_done = None  # the side stream's last event: the next pool call waits for it
 
@@ -118,13 +118,18 @@ class SparseKV:
         first_ready.record(torch.cuda.current_stream(pool.device))
         step.ready[layers.start] = first_ready
         self._side.wait_event(first_ready)
+        # The side launch reads the selection: keep its memory from being reused by the current
+        # stream's allocations until the side stream is done with it.
+        plan.addresses.record_stream(self._side)
         with torch.cuda.stream(self._side):
-            pool.run(plan)
-            rest_ready = torch.cuda.Event()
-            rest_ready.record(self._side)
+            try:
+                pool.run(plan)
+            finally:  # even when stopped part-way, later calls must wait for what was launched
+                rest_ready = torch.cuda.Event()
+                rest_ready.record(self._side)
+                self._side_done = rest_ready
         for layer in layers[1:]:
             step.ready[layer] = rest_ready
-        self._side_done = rest_ready
         return step
 
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:

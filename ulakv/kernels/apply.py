@@ -111,6 +111,9 @@ def apply_kernel(
     base = pid.to(tl.int64) * CHUNK
     pos = base + tl.arange(0, CHUNK)
     inb = pos < T
+    # Layer offsets in int64: 4 layers x 5 M CPU rows x 164 words already passes 2**31.
+    gpu_layer_stride = gpu_layer_stride.to(tl.int64)
+    cpu_layer_stride = cpu_layer_stride.to(tl.int64)
     status = tl.load(ctl_ptr + K.E_LAST_STATUS)
     run_out = (first_phase <= K.PH_OUT) & (last_phase >= K.PH_OUT)
     run_evict = (first_phase <= K.PH_EVICT) & (last_phase >= K.PH_EVICT)

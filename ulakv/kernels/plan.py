@@ -90,10 +90,14 @@ def plan_program(
         head = tl.load(gctl_ptr + K.G_HEAD)
         tail = tl.load(gctl_ptr + K.G_TAIL)
         round_tail = tl.load(gctl_ptr + K.G_ROUND_TAIL)
+        # Kept in a register: a scalar store is one thread's, and re-loading the word right after
+        # it could give other warps the old round.
+        rnd = tl.load(gctl_ptr + K.G_ROUND)
         if not WRITE:
             # A new round: everything appended so far is older than this round's touches.
             round_tail = tail
-            tl.store(gctl_ptr + K.G_ROUND, tl.load(gctl_ptr + K.G_ROUND) + 1)
+            rnd += 1
+            tl.store(gctl_ptr + K.G_ROUND, rnd)
 
         # -- victims: free GPU slots first -------------------------------------------------------
         n_free = tl.load(gctl_ptr + K.G_GPU_FREE)
@@ -130,7 +134,6 @@ def plan_program(
                 got += n_take
         else:
             # -- then PB-LRU's buckets: cold, then the ring oldest first, never the current one --
-            rnd = tl.load(gctl_ptr + K.G_ROUND)  # already advanced by a prepare
             for i in range(0, R):
                 bucket = tl.where(i == 0, R, (rnd + i) % R).to(tl.int64)
                 if got < want:

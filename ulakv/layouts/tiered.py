@@ -246,14 +246,25 @@ class TieredLayout:
         self.config = config
         self.state = state
         self._scratch: CallScratch | None = None
+        self._reserved = False
         self.kernels = TRITON
 
     def scratch(self, elements: int) -> CallScratch:
-        # Grow to a power of two so a serving loop allocates a handful of times, then never.
-        if self._scratch is None or self._scratch.capacity < elements:
-            capacity = max(K.CHUNK, K.next_pow2(elements))
-            self._scratch = CallScratch.allocate(capacity, self.config.torch_device)
-        return self._scratch
+        """Call scratch for ``elements``: the layout's own, grown to a power of two so a serving
+        loop allocates a handful of times, then never; once reserved (``reserve``), it stays put
+        (a captured CUDA graph points at it) and a larger call gets scratch of its own."""
+        if self._scratch is not None and self._scratch.capacity >= elements:
+            return self._scratch
+        fresh = CallScratch.allocate(max(K.CHUNK, K.next_pow2(elements)), self.config.torch_device)
+        if not self._reserved:
+            self._scratch = fresh
+        return fresh
+
+    def reserve(self, elements: int) -> None:
+        """Size the call scratch for ``elements`` and never replace it."""
+        self._reserved = False
+        self.scratch(elements)
+        self._reserved = True
 
     def plan(
         self,
