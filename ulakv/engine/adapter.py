@@ -120,7 +120,8 @@ class SparseKV:
         self._side.wait_event(first_ready)
         # The side launch reads the selection: keep its memory from being reused by the current
         # stream's allocations until the side stream is done with it.
-        plan.addresses.record_stream(self._side)
+        if not torch.cuda.is_current_stream_capturing():  # a graph's buffers live as long as it
+            plan.addresses.record_stream(self._side)
         with torch.cuda.stream(self._side):
             try:
                 pool.run(plan)

@@ -1,0 +1,423 @@
+"""The GPU suite: one command, correctness first, then every GPU figure the project claims.
+
+    python benchmarks/gpu_suite.py [--out gpu_suite.json]     # one H200: under 8 minutes
+    python benchmarks/gpu_suite.py --smoke [--out smoke.json]   # tiny sizes; CPU: Triton interpreter
+
+Sections, in order (a failed check stops the suite before any timing):
+
+1. ``correctness``: every kernel on this device against its plain reference (``*_reference``) on
+   the same inputs: a pool running the Triton kernels and a pool running the references go through
+   the same admits, writes, prepares (whole and split the way the engine runs them) and releases;
+   their state must stay bit-identical; then gather and release on the final state.
+2. ``ceilings``: device-to-device copy and pinned host-to-device copy, GB/s (bytes copied / time).
+3. ``gather``: the selected rows of a step (656-byte rows, top-k 2048, batch 1..256) read by the
+   gather kernel from GPU slots, against the copy ceiling; and from pinned CPU rows (zero-copy
+   through unified addressing), against the host-to-device ceiling.
+4. ``swap_in``: a ``prepare`` whose selection is all on the CPU with the GPU full: rows in (and
+   victims out) per second, against the host-to-device ceiling.
+5. ``prepare``: time per group-step, exact LRU and PB-LRU(8), batch 1, 8, 64, 256, top-k 2048, a
+   1 M-slot GPU pool, selections from ``ulakv.traces.synthetic``; ``fits`` (nothing must be evicted)
+   and ``evicting`` (the GPU is full of other requests' entries).
+6. ``graph``: one engine step (``SparseKV``, 4-layer group, side stream) captured in a CUDA graph and
+   replayed; replay time against the eager step; the replayed slots hold the right bytes.
+
+Prints a table per section and writes everything to ``--out`` as JSON. Timings on CPU (smoke) are the
+interpreter's and mean nothing; the smoke run exists so that this script cannot rot (CI runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv.engine import SparseKV
+from ulakv.kernels import common
+from ulakv.kernels import gather as gather_mod
+from ulakv.kernels import release as release_mod
+from ulakv.kernels._triton import count_launches
+from ulakv.layouts.tiered import REFERENCE
+from ulakv.plans import Phase
+from ulakv.traces import SyntheticSpec, synthetic
+
+ROW = 656  # GLM-5 / DeepSeek-V3.2 FP8 latent bytes a token-layer
+
+
+@dataclass(frozen=True)
+class Sizes:
+    copy_bytes: int
+    gpu_slots: int
+    topk: int
+    batches: tuple[int, ...]
+    context: int  # tokens of history per decoding request (evicting case)
+    steps: int  # timed steps per point (after one warm-up)
+    graph_slots: int
+    graph_batch: int
+
+
+FULL = Sizes(1 << 30, 1 << 20, 2048, (1, 8, 64, 256), 16384, 5, 1 << 16, 8)
+SMOKE = Sizes(1 << 20, 2048, 16, (1, 4), 64, 1, 512, 2)
+
+
+# -- timing -----------------------------------------------------------------------------------------
+def timed(fn: Callable[[int], object], reps: int, device: torch.device, warmup: int = 1) -> float:
+    """Median seconds of ``fn(i)`` over ``reps`` runs (CUDA events on a GPU)."""
+    for i in range(warmup):
+        fn(-1 - i)
+    times = []
+    for i in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn(i)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def table(title: str, rows: list[dict]) -> None:
+    print(f"\n== {title}")
+    if not rows:
+        return
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for row in rows:
+        print(" | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+
+
+def make_pool(device, gpu, cpu, policy, *, layers=1, per_group=1, validate=False) -> Pool:
+    return Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=ROW),
+            num_layers=layers,
+            layers_per_group=per_group,
+            layout=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=policy),
+            device=device,
+            validate=validate,
+        )
+    )
+
+
+def write_all(pool: Pool, addrs: torch.Tensor, layers: range, chunk: int = 1 << 16) -> None:
+    for start in range(0, addrs.numel(), chunk):
+        part = addrs[start : start + chunk]
+        for layer in layers:
+            rows = ((part[:, None] * 131 + layer * 29 + torch.arange(ROW, device=part.device)) % 251).to(
+                torch.uint8
+            )
+            pool.write(layer, part, rows)
+
+
+# -- 1. correctness ---------------------------------------------------------------------------------
+def same_state(a: Pool, b: Pool) -> str | None:
+    sa, sb = a.state_dict(), b.state_dict()
+    for key in sa:
+        x, y = sa[key], sb[key]
+        if key == "gpu_data":  # the dummy row absorbs padding writes in any order
+            x, y = x[:, :-1], y[:, :-1]
+        if not torch.equal(x, y):
+            return key
+    return None
+
+
+def correctness(device: torch.device, seed: int = 0) -> list[dict]:
+    rows = []
+    for policy in (ExactLRU(), PBLRU(3)):
+        kernels, refs = (make_pool(device, 24, 40, policy, layers=3, per_group=2) for _ in range(2))
+        refs._layout.kernels = REFERENCE
+        rng = random.Random(seed)
+        seqs: list[tuple] = []  # (sequence in kernels, sequence in refs): the same addresses
+        for call in range(40):
+            op = rng.random()
+            live = [a for s, _ in seqs for a in s._addresses]
+            if (op < 0.3 or not live) and kernels.free_addresses >= 8:
+                n = rng.randint(1, 8)
+                pair = (kernels.admit(n), refs.admit(n))
+                seqs.append(pair)
+                gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+                for layer in range(3):
+                    data = torch.randint(0, 256, (n, ROW), dtype=torch.uint8, generator=gen).to(device)
+                    for pool, seq in zip((kernels, refs), pair, strict=True):
+                        pool.write(layer, seq.addresses, data)
+            elif op < 0.4 and seqs:
+                pair = seqs.pop(rng.randrange(len(seqs)))
+                for pool, seq in zip((kernels, refs), pair, strict=True):
+                    pool.release(seq)
+            elif live:
+                group = rng.randrange(2)
+                cand = rng.sample(live, min(len(live), 10))
+                picks = [[[rng.choice([*cand, -1]) for _ in range(5)] for _ in range(2)] for _ in range(2)]
+                sel = torch.tensor(picks, device=device)
+                split = group == 0 and rng.random() < 0.5  # group 0 has 2 layers: the engine's split
+                for pool in (kernels, refs):
+                    plan = pool.plan(group, sel)
+                    if split:
+                        pool.run(plan, until=Phase.IN, in_layers=range(0, 1))
+                    pool.run(plan)
+            bad = same_state(kernels, refs)
+            if bad is not None:
+                raise AssertionError(f"{policy}: kernels and references differ in {bad!r} after call {call}")
+        st = kernels._state
+        live = torch.tensor([a for s, _ in seqs for a in s._addresses], dtype=torch.int64, device=device)
+        for layer in range(3):
+            g = layer // 2
+            gpu, cpu = common.as_words(st.gpu_data[layer]), common.as_words(st.cpu_data[layer])
+            args = (live, st.mapping[g], st.gpu_slots, gpu, cpu)
+            if not torch.equal(gather_mod.gather(*args), gather_mod.gather_reference(*args)):
+                raise AssertionError(f"{policy}: gather differs from its reference in layer {layer}")
+        ref = st.clone()
+        release_mod.release(live, st)
+        release_mod.release_reference(live, ref)
+        for key, value in st.tensors().items():
+            if key not in ("frontier", "gpu_data") and not torch.equal(value, ref.tensors()[key]):
+                raise AssertionError(f"{policy}: release differs from its reference in {key}")
+        rows.append({"policy": str(policy), "calls": 40, "result": "bit-identical"})
+    return rows
+
+
+# -- 2. ceilings ------------------------------------------------------------------------------------
+def ceilings(device: torch.device, sizes: Sizes) -> dict[str, float]:
+    n = sizes.copy_bytes
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    d2d = n / timed(lambda i: dst.copy_(src), 5, device)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    h2d = n / timed(lambda i: dst.copy_(host, non_blocking=True), 5, device)
+    return {"d2d_GBps": d2d / 1e9, "pinned_h2d_GBps": h2d / 1e9}
+
+
+# -- 3. gather, 4. swap-in ------------------------------------------------------------------------
+def gather_rows(device: torch.device, sizes: Sizes, ceil: dict[str, float]) -> list[dict]:
+    G, K = sizes.gpu_slots, sizes.topk
+    pool = make_pool(device, G, G, ExactLRU())
+    seq = pool.admit(2 * G)
+    write_all(pool, seq.addresses, range(1))  # the first G rows on the GPU, the rest on the CPU
+    st = pool._state
+    gpu_words, cpu_words = common.as_words(st.gpu_data[0]), common.as_words(st.cpu_data[0])
+    home = st.mapping[0]
+    on_gpu = seq.addresses[home[seq.addresses] < G]
+    on_cpu = seq.addresses[home[seq.addresses] >= G]
+    out = []
+    gen = torch.Generator().manual_seed(1)
+    for tier, pool_of, ceiling in (
+        ("gpu", on_gpu, ceil["d2d_GBps"]),
+        ("cpu", on_cpu, ceil["pinned_h2d_GBps"]),
+    ):
+        for B in sizes.batches:
+            n = min(B * K, pool_of.numel())
+            addrs = pool_of[torch.randperm(pool_of.numel(), generator=gen)[:n].to(device)]
+            secs = timed(
+                lambda i, a=addrs: gather_mod.gather(a, home, G, gpu_words, cpu_words), sizes.steps, device
+            )
+            gbps = n * ROW / secs / 1e9
+            out.append(
+                {
+                    "tier": tier,
+                    "batch": B,
+                    "rows": n,
+                    "us": secs * 1e6,
+                    "GBps": gbps,
+                    "of_ceiling": gbps / ceiling,
+                }
+            )
+    return out
+
+
+def swap_in(device: torch.device, sizes: Sizes, ceil: dict[str, float]) -> list[dict]:
+    """GPU full, every selected entry on the CPU: each prepare swaps B x K rows in and out."""
+    G, K = sizes.gpu_slots, sizes.topk
+    out = []
+    for B in sizes.batches:
+        n = min(B * K, G)
+        pool = make_pool(device, G, G + (sizes.steps + 1) * n, ExactLRU())
+        seq = pool.admit(G + (sizes.steps + 1) * n)
+        write_all(pool, seq.addresses, range(1))
+        cold = seq.addresses[G:]  # written after the GPU filled up: on the CPU
+        # Each run selects n entries nobody selected before (the warm-up takes the last slice).
+        slices = [cold[j * n : (j + 1) * n].view(1, n) for j in range(sizes.steps + 1)]
+        secs = timed(lambda i, p=pool, s=slices: p.prepare(0, s[i % len(s)]), sizes.steps, device)
+        victims = pool.stats()["victims"] / (sizes.steps + 1)  # warm-up included
+        gbps = n * ROW / secs / 1e9
+        out.append(
+            {
+                "batch": B,
+                "rows_in": n,
+                "us": secs * 1e6,
+                "in_GBps": gbps,
+                "of_h2d_ceiling": gbps / ceil["pinned_h2d_GBps"],
+                "victims_per_prepare": victims,
+            }
+        )
+        del pool
+    return out
+
+
+# -- 5. prepare per group-step ----------------------------------------------------------------------
+def prepare_steps(device: torch.device, sizes: Sizes) -> list[dict]:
+    G, K, steps = sizes.gpu_slots, sizes.topk, sizes.steps + 1
+    Bmax = max(sizes.batches)
+    out = []
+    for case in ("fits", "evicting"):
+        context = min(sizes.context, G // Bmax) if case == "fits" else sizes.context
+        filler = 0 if case == "fits" else G
+        trace = synthetic(
+            SyntheticSpec(
+                requests=Bmax, prompt=(context - steps, context - steps), steps=steps, topk=K, queries=1,
+                groups=1, window=min(128, K // 4), heavy=min(512, K // 4), arrival_spread=0, seed=3,
+            )
+        )  # fmt: skip
+        for policy in (ExactLRU(), PBLRU(8)):
+            history = Bmax * context + filler
+            pool = make_pool(device, G, max(0, history - G), policy)
+            if filler:
+                write_all(pool, pool.admit(filler).addresses, range(1))
+            seqs = [pool.admit(context) for _ in range(Bmax)]
+            write_all(pool, torch.cat([s.addresses for s in seqs]), range(1))
+            # Selections as addresses, on the device, before any timing.
+            picks = []
+            for s in range(steps):
+                rows = []
+                for b, r in enumerate(trace.requests):
+                    pos = r.topk[s, 0, 0].to(device).long()
+                    rows.append(torch.where(pos >= 0, seqs[b].addresses[pos.clamp(min=0)], -1))
+                picks.append(torch.stack(rows))
+            for B in sizes.batches:
+                before = pool.stats()
+                with count_launches() as names:
+                    # The warm-up (i = -1) takes step 0's selection, the timed runs the steps after it.
+                    batch = [p[:B].unsqueeze(1) for p in picks]
+                    secs = timed(lambda i, p=pool, b=batch: p.prepare(0, b[i + 1]), steps - 1, device)
+                after = pool.stats()
+                calls = steps
+                out.append(
+                    {
+                        "case": case,
+                        "policy": str(policy),
+                        "batch": B,
+                        "us_per_group_step": secs * 1e6,
+                        "launches": len(names) // calls,
+                        "hit_rate": (after["hits"] - before["hits"])
+                        / max(1, after["hits"] - before["hits"] + after["misses"] - before["misses"]),
+                        "victims_per_step": (after["victims"] - before["victims"]) / calls,
+                    }
+                )
+            del pool
+    return out
+
+
+# -- 6. CUDA graph ----------------------------------------------------------------------------------
+def graph_step(device: torch.device, sizes: Sizes) -> dict:
+    G, K, B, layers = sizes.graph_slots, sizes.topk, sizes.graph_batch, 4
+    pool = make_pool(device, G, 4 * G, PBLRU(8), layers=layers, per_group=layers)
+    kv = SparseKV(pool, max_batch=B, top_k=K, prefetch=True)
+    seqs = [pool.admit(4 * G // B) for _ in range(B)]
+    write_all(pool, torch.cat([s.addresses for s in seqs]), range(layers))
+    gen = torch.Generator().manual_seed(5)
+
+    def fresh_selection() -> torch.Tensor:
+        return torch.stack([s.addresses[torch.randperm(len(s), generator=gen)[:K].to(device)] for s in seqs])
+
+    sel = fresh_selection()
+    sels = [fresh_selection() for _ in range(2 * sizes.steps + 4)]  # fresh picks each run: misses too
+
+    def eager_step(i: int) -> None:
+        sel.copy_(sels[i])
+        kv.prepare(0, sel)
+        kv.join()
+
+    eager = timed(eager_step, sizes.steps, device)
+    result = {"batch": B, "topk": K, "layers": layers, "eager_us": eager * 1e6}
+    if device.type != "cuda":
+        result["captured"] = "skipped: needs CUDA"
+        return result
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step = kv.prepare(0, sel)
+        kv.join()
+    checked = 0
+    for _ in range(3):
+        sel.copy_(fresh_selection())
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            got = pool.gpu_buffer(layer)[step.slots.long()].cpu()
+            want = pool.read(layer, sel.reshape(-1)).reshape(got.shape)
+            if not torch.equal(got, want):
+                raise AssertionError(f"graph replay: layer {layer} slots do not hold their bytes")
+            checked += got.shape[0] * got.shape[1]
+    replay = timed(lambda i: (sel.copy_(sels[sizes.steps + 2 + i]), graph.replay()), sizes.steps, device)
+    pool.check_invariants()
+    result.update(captured="replayed correctly", rows_checked=checked, replay_us=replay * 1e6)
+    return result
+
+
+def meta(device: torch.device, smoke: bool) -> dict:
+    import triton
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.machine()})",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit or "unknown",
+        "command": " ".join(["python", *sys.argv]),
+        "smoke": smoke,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU under the interpreter")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        parser.error("the full suite needs a CUDA device; use --smoke on CPU")
+    sizes = SMOKE if args.smoke else FULL
+    started = time.perf_counter()
+    results = {"meta": meta(device, args.smoke)}
+    print(json.dumps(results["meta"]))
+    results["correctness"] = correctness(device)
+    table("correctness: kernels against references on this device", results["correctness"])
+    results["ceilings"] = ceilings(device, sizes)
+    table("ceilings (GB/s)", [results["ceilings"]])
+    results["gather"] = gather_rows(device, sizes, results["ceilings"])
+    table(f"gather of selected {ROW}-byte rows, top-k {sizes.topk}", results["gather"])
+    results["swap_in"] = swap_in(device, sizes, results["ceilings"])
+    table("swap-in from pinned CPU rows (prepare, GPU full)", results["swap_in"])
+    results["prepare"] = prepare_steps(device, sizes)
+    table(f"prepare per group-step, {sizes.gpu_slots} GPU slots, top-k {sizes.topk}", results["prepare"])
+    results["graph"] = graph_step(device, sizes)
+    table("one engine step in a CUDA graph", [results["graph"]])
+    results["meta"]["seconds"] = time.perf_counter() - started
+    print(f"\ndone in {results['meta']['seconds']:.1f} s")
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

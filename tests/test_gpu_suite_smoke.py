@@ -1,0 +1,34 @@
+"""The one-shot GPU suite cannot rot: its smoke run (every section, tiny sizes; the interpreter on
+CPU) must pass, correctness section included."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_suite_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "smoke.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [row["result"] for row in results["correctness"]] == ["bit-identical"] * 2
+    assert {"d2d_GBps", "pinned_h2d_GBps"} <= results["ceilings"].keys()
+    assert {row["tier"] for row in results["gather"]} == {"gpu", "cpu"}
+    assert all(row["victims_per_prepare"] > 0 for row in results["swap_in"])
+    cases = {(row["case"], row["policy"]) for row in results["prepare"]}
+    assert len(cases) == 4 and all(row["launches"] == 3 for row in results["prepare"])
+    assert all(row["victims_per_step"] == 0 for row in results["prepare"] if row["case"] == "fits")
+    assert results["graph"]["eager_us"] > 0
