@@ -20,6 +20,7 @@ SIZES = [16 * 1024, 256 * 1024, 4 * 1024 * 1024]
 @pytest.mark.parametrize("occupancy", [1.0, 0.01], ids=["every-slot", "1pct-slots"])
 @pytest.mark.parametrize("slots", SIZES, ids=["16K", "256K", "4M"])
 def test_pblru_victim_search_reads(benchmark, slots: int, occupancy: float) -> None:
+    benchmark.group = "victim search, 64 victims"
     occupied = torch.rand(slots, generator=torch.Generator().manual_seed(0)) < occupancy
     words = bucket_bits(occupied)
     expected = torch.nonzero(occupied).flatten()[:VICTIMS]
