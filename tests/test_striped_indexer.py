@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_ranks
 
 from ulakv.engine.indexer import global_topk, topk_all_scores, topk_merge
+from ulakv.spawn import run_ranks
 
 
 def scores_for(seed: int, queries: int, context: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Run a function on ``world`` gloo processes (CPU), for tests of collective code.
+"""Run a function on ``world`` gloo processes (CPU): tests and benchmarks of collective code.
 
 ``run_ranks(fn, world, *args)`` spawns the processes, initialises ``torch.distributed`` with gloo
 through a file store, calls ``fn(rank, world, *args)`` on each and returns their results in rank
