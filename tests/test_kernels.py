@@ -11,15 +11,17 @@ import random
 
 import pytest
 import torch
-from helpers import assert_tensors_equal, random_rows, small_pool
+from helpers import assert_tensors_equal, pool_config, random_rows, small_pool
 
-from ulakv import PBLRU, ExactLRU
+from ulakv import PBLRU, ExactLRU, Tiered
+from ulakv.address_space import LogicalAllocator
+from ulakv.invariants import check_invariants
 from ulakv.kernels import apply as apply_mod
 from ulakv.kernels import common as K
 from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import lookup as lookup_mod
 from ulakv.kernels import release as release_mod
-from ulakv.layouts.tiered import REFERENCE, TRITON
+from ulakv.layouts.tiered import REFERENCE, TRITON, BufferState, TieredLayout
 from ulakv.plans import Phase
 
 POISON = -7
@@ -199,3 +201,54 @@ def test_references_are_what_the_layout_runs() -> None:
     """The stage table the layout uses points at the kernels these tests exercise."""
     assert TRITON.plan is lookup_mod.lookup_and_plan
     assert TRITON.apply is apply_mod.apply
+
+
+@pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(3)], ids=["lru", "pblru3"])
+def test_buffer_stages_match_reference(policy) -> None:
+    """A striped rank's buffer (victims dropped, misses filled from fetched rows), whole and split
+    the way an engine runs it, against the references."""
+    cfg = pool_config(layout=Tiered(gpu_slots=9, cpu_slots=0, policy=policy))
+    st = BufferState.allocate(cfg, addresses=40)
+    st.mapping[:, :30] = -2  # 30 live addresses, none buffered yet
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    layout = TieredLayout(cfg, st)
+    allocator = LogicalAllocator(40)
+    allocator.take(30)
+    for step in range(12):
+        group = rng.randrange(2)
+        picks = rng.sample(range(30), rng.randint(1, 9))
+        flat = torch.tensor([rng.choice([*picks, -1]) for _ in range(12)])
+        scratch = layout.scratch(12)
+        poison(scratch)
+        layers = cfg.group_layers(group)
+        T = flat.numel()
+        st_ref, sc_ref = st.clone(), scratch.clone()
+        TRITON.plan(st, group, flat, scratch, False, len(layers) * 5, 5)
+        REFERENCE.plan(st_ref, group, flat, sc_ref, False, len(layers) * 5, 5)
+        assert_tensors_equal(st.tensors(), st_ref.tensors(), f"step {step} plan: state ")
+        assert_tensors_equal(scratch.tensors(), sc_ref.tensors(), f"step {step} plan: scratch ")
+        fetched = random_rows(gen, T * len(layers), 5).view(T, len(layers), 5)
+        slots, slots_ref = (
+            torch.full((T,), POISON, dtype=torch.int32),
+            torch.full((T,), POISON, dtype=torch.int32),
+        )
+        for phases, in_layers in apply_steps(layers, split=step % 2 == 1):
+            for k, s, sc, out in ((TRITON, st, scratch, slots), (REFERENCE, st_ref, sc_ref, slots_ref)):
+                k.apply(
+                    s,
+                    group,
+                    sc,
+                    flat,
+                    layers,
+                    None,
+                    0,
+                    out,
+                    phases=phases,
+                    in_layers=in_layers,
+                    fetched=fetched,
+                )
+            assert_tensors_equal(st.tensors(), st_ref.tensors(), f"step {step} apply{phases}: state ")
+            assert torch.equal(slots, slots_ref)
+        held = flat >= 0
+        assert (slots[held] >= 0).all() and (slots[~held] == -1).all()
+        check_invariants(st, allocator)

@@ -125,7 +125,54 @@ class Tiered:
         return min(self.gpu_slots, self.cpu_staging)
 
 
-LayoutConfig = Tiered
+@dataclass(frozen=True)
+class Striped:
+    """Tensor-parallel layout: logical address ``t`` has its one home on rank ``t mod world``.
+
+    Every rank of a ``torch.distributed`` group builds the same config with its own ``rank``.
+    ``inner`` (a ``Tiered``) is this rank's slice of history: GPU only, or with a CPU tier.
+    ``buffer_slots`` GPU rows on every rank hold recently selected entries (``policy`` decides
+    which); the selections are the same on every rank, so every rank takes the same decisions and
+    each home knows what to send. Admission capacity is ``world x inner.capacity``; a ``prepare``
+    may select at most ``max_selection`` distinct addresses a group.
+    """
+
+    world: int
+    rank: int
+    buffer_slots: int
+    policy: PolicyConfig = field(default_factory=ExactLRU)
+    inner: Tiered = field(default_factory=lambda: Tiered(gpu_slots=1))
+
+    def __post_init__(self) -> None:
+        _check_int("Striped.world", self.world, 1)
+        _check_int("Striped.rank", self.rank, 0)
+        if self.rank >= self.world:
+            raise ConfigError(f"Striped.rank must be < world ({self.world}), got {self.rank}")
+        _check_int("Striped.buffer_slots", self.buffer_slots, 1)
+        if not isinstance(self.policy, (ExactLRU, PBLRU)):
+            raise ConfigError(
+                f"Striped.policy must be a policy config such as ExactLRU(), got {self.policy!r}"
+            )
+        if not isinstance(self.inner, Tiered):
+            raise ConfigError(f"Striped.inner must be a Tiered layout, got {self.inner!r}")
+        if self.world * self.inner.capacity > MAX_SLOTS:
+            raise ConfigError(
+                f"world x inner capacity = {self.world * self.inner.capacity} exceeds {MAX_SLOTS}"
+            )
+
+    @property
+    def capacity(self) -> int:
+        """Logical addresses all ranks hold together (each on its home rank only)."""
+        return self.world * self.inner.capacity
+
+    @property
+    def max_selection(self) -> int:
+        """Most distinct addresses a ``prepare`` may select in a group: every one passes through
+        the buffer, and the locally homed ones through this rank's slice."""
+        return min(self.buffer_slots, self.inner.max_selection)
+
+
+LayoutConfig = Tiered | Striped
 
 
 @dataclass(frozen=True)
@@ -156,7 +203,7 @@ class PoolConfig:
             raise ConfigError(
                 f"layers_per_group ({self.layers_per_group}) exceeds num_layers ({self.num_layers})"
             )
-        if not isinstance(self.layout, Tiered):
+        if not isinstance(self.layout, (Tiered, Striped)):
             raise ConfigError(
                 f"PoolConfig.layout must be a layout config such as Tiered(...), got {self.layout!r}"
             )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
-from .config import PoolConfig
+from .config import PoolConfig, Striped
 from .errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
 from .invariants import check_invariants
 from .kernels import common as K
@@ -45,7 +45,14 @@ def _same_device(t: torch.Tensor, device: torch.device) -> bool:
 class Pool:
     """A KV-cache pool built from a :class:`PoolConfig` (see DESIGN section 6 for the contract)."""
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __new__(cls, config: PoolConfig, **kwargs):
+        if isinstance(config, PoolConfig) and isinstance(config.layout, Striped):
+            from .layouts.striped import StripedPool  # a rank of a tensor-parallel pool
+
+            return StripedPool(config)
+        return super().__new__(cls)
+
+    def __init__(self, config: PoolConfig, *, _gpu_data: torch.Tensor | None = None) -> None:
         if not isinstance(config, PoolConfig):
             raise InvalidInputError(f"Pool needs a PoolConfig, got {type(config).__name__}")
         self.config = config
@@ -57,7 +64,7 @@ class Pool:
             self._validate = config.validate
         else:
             self._validate = self._debug or self.device.type == "cpu"
-        self._state = TieredState.allocate(config)
+        self._state = TieredState.allocate(config, gpu_data=_gpu_data)
         self._layout = TieredLayout(config, self._state)
         self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
@@ -126,14 +133,30 @@ class Pool:
     def release(self, seq: Sequence) -> None:
         """Return every address and slot of ``seq`` in every group."""
         self._check_seq(seq)
-        self._finish_pending()
-        self._launches += self._layout.release(seq.addresses)
-        self._allocator.give_back(seq._addresses)
+        self._release_addresses(seq._addresses, seq.addresses)
         seq.released = True
+
+    def _release_addresses(self, addresses: list[int], on_device: torch.Tensor) -> None:
+        self._finish_pending()
+        self._launches += self._layout.release(on_device)
+        self._allocator.give_back(addresses)
         if self._allocator.free == self._allocator.capacity:
             # No request left: put the policy back in its fresh state (invariant 6, exactly).
             self._state.reset_residency()
         self._after_call()
+
+    def _take_exact(self, addresses: list[int]) -> None:
+        """Admit exactly ``addresses``, which must be the lowest free ones (a striped pool's rank
+        takes the local part of what the global allocator handed out: its lowest free, too)."""
+        self._finish_pending()
+        taken = self._allocator.take(len(addresses))
+        if taken != addresses:
+            self._allocator.give_back(taken)
+            raise UlakvError(
+                f"striped admission out of step: expected {addresses[:4]}..., got {taken[:4]}..."
+            )
+        if taken:
+            self._state.mapping[:, addresses_on(taken, self.device)] = UNHOMED
 
     # -- the hot path ----------------------------------------------------------------------------
     def prepare(self, group: int, topk: torch.Tensor) -> Selection:

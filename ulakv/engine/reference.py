@@ -104,8 +104,13 @@ class PoolKV:
                 device=device,
             )
         )
-        self.kv = SparseKV(
-            self.pool, max_batch=max_batch, top_k=spec.topk, max_queries=spec.queries, prefetch=prefetch
+        # A striped pool (tensor parallelism) is driven directly: its prepare is collective.
+        self.kv = (
+            SparseKV(
+                self.pool, max_batch=max_batch, top_k=spec.topk, max_queries=spec.queries, prefetch=prefetch
+            )
+            if isinstance(self.pool, Pool)
+            else None
         )
         self.seqs: dict[int, object] = {}
 
@@ -113,7 +118,7 @@ class PoolKV:
         self.seqs[rid] = self.pool.admit(0)
 
     def release(self, rid: int) -> None:
-        self.kv.release(self.seqs.pop(rid))
+        (self.kv or self.pool).release(self.seqs.pop(rid))
 
     def write(self, layer: int, rids: list[int], positions: list[int], latents: torch.Tensor) -> None:
         addrs = []
@@ -122,7 +127,8 @@ class PoolKV:
             if layer == 0 and p == len(seq):
                 self.pool.extend(seq, 1)
             addrs.append(seq.addresses[p])
-        self.kv.write(layer, torch.stack(addrs), latents.contiguous().view(torch.uint8).view(len(rids), -1))
+        rows = latents.contiguous().view(torch.uint8).view(len(rids), -1)
+        (self.kv or self.pool).write(layer, torch.stack(addrs), rows)
 
     def select(self, group: int, rids: list[int], positions: torch.Tensor) -> GroupStep:
         addrs = torch.stack(
@@ -131,6 +137,9 @@ class PoolKV:
                 for b, r in enumerate(rids)
             ]
         )
+        if self.kv is None:
+            slots = self.pool.prepare(group, addrs).slots
+            return GroupStep(group, self.pool.group_layers(group), slots, None)
         return self.kv.prepare(group, addrs)
 
     def rows(self, layer: int, rids: list[int], step: GroupStep) -> torch.Tensor:

@@ -101,11 +101,13 @@ def apply_kernel(
     last_phase,
     in_lo,
     in_hi,
+    fetched_ptr,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
     WORDS: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * CHUNK
@@ -133,7 +135,8 @@ def apply_kernel(
         wm = w < W
 
         # -- out: victims' rows, every layer, to their popped CPU rows ----------------------------
-        if run_out:
+        # (a buffer drops its victims: their home is on another rank)
+        if run_out and not CACHE:
             for r0 in range(0, n_miss, ROWS):
                 p, a, src, mm, has_slot, v, popping, cpu_row = _miss_tile(
                     r0,
@@ -179,7 +182,10 @@ def apply_kernel(
                 )
                 old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
                 evict = has_slot & popping & (old >= 0)
-                tl.store(map_ptr + old, G + cpu_row, mask=evict)
+                if CACHE:  # dropped: the entry lives on its home rank, not here
+                    tl.store(map_ptr + old, tl.full((ROWS,), K.M_UNHOMED, tl.int32), mask=evict)
+                else:
+                    tl.store(map_ptr + old, G + cpu_row, mask=evict)
                 tl.store(owner_ptr + v, tl.full((ROWS,), -1, tl.int32), mask=evict)
             if not WRITE:
                 slot = _slot_of(
@@ -225,9 +231,14 @@ def apply_kernel(
                     new_row = tl.load(
                         rows_ptr + p.to(tl.int64)[:, None] * W + w[None, :], mask=to_gpu | to_cpu, other=0
                     )
+                if CACHE:  # rows fetched from their home ranks, in miss order, every layer of the group
+                    f2 = (m_off + r0 + tl.arange(0, ROWS)).to(tl.int64)[:, None] * (L * W) + w[None, :]
                 for layer in range(in_lo, in_hi):
                     # An entry with no CPU row yet (never written) starts as zeros.
-                    row = tl.load(cpu_ptr + layer * cpu_layer_stride + src2, mask=from_cpu, other=0)
+                    if CACHE:
+                        row = tl.load(fetched_ptr + f2 + layer * W, mask=to_gpu, other=0)
+                    else:
+                        row = tl.load(cpu_ptr + layer * cpu_layer_stride + src2, mask=from_cpu, other=0)
                     if WRITE:
                         is_written = (tl.zeros((ROWS, WORDS), tl.int32) + layer) == write_layer
                         row = tl.where(is_written, new_row, row)
@@ -380,10 +391,15 @@ def apply(
     slots,
     phases: tuple[int, int] = ALL_PHASES,
     in_layers: range | None = None,
+    fetched: torch.Tensor | None = None,
 ) -> int:
     """Launch apply for group ``g`` (layers ``layers``): the phases ``phases`` (first, last), moving
     the group's layers ``in_layers`` (default all) in the ``in`` phase. ``rows`` (int32/uint8 words
-    ``[T, W]``) only for a write, ``slots`` (int32 ``[T]``) only for a prepare. Returns launches."""
+    ``[T, W]``) only for a write, ``slots`` (int32 ``[T]``) only for a prepare. A buffer
+    (``st.CACHE``) takes its misses' rows from ``fetched`` (words ``[misses, layers, W]``, in miss
+    order) and drops its victims. Returns launches."""
+    if st.CACHE and fetched is None and rows is None:
+        raise ValueError("a buffer's apply needs the fetched rows")
     T = flat.numel()
     gpu = K.as_words(st.gpu_data[layers.start : layers.stop])
     cpu = K.as_words(st.cpu_data[layers.start : layers.stop])
@@ -424,11 +440,13 @@ def apply(
         phases[1],
         in_layers.start - layers.start,
         in_layers.stop - layers.start,
+        fetched if fetched is not None else scratch.victims,
         WRITE=write,
         POLICY=st.policy,
         CHUNK=K.CHUNK,
         ROWS=ROWS,
         WORDS=K.next_pow2(W),
+        CACHE=st.CACHE,
     )
     return 1
 
@@ -444,6 +462,7 @@ def apply_reference(
     slots,
     phases: tuple[int, int] = ALL_PHASES,
     in_layers: range | None = None,
+    fetched: torch.Tensor | None = None,
 ) -> None:
     """Plain-Python twin of :func:`apply`: one phase, one miss, one row, one element at a time."""
     T, G, C, Qcap = flat.numel(), st.gpu_slots, K.CHUNK, st.q_slot.shape[1]
@@ -481,23 +500,37 @@ def apply_reference(
 
     for c in range(-(-T // C)):
         chunk = range(c * C, min(T, (c + 1) * C))
-        if runs(K.PH_OUT):
+        if runs(K.PH_OUT) and not st.CACHE:
             for _, _, _, v, cpu_row in misses(c):
                 if v is not None and cpu_row is not None and int(st.owner[g, v]) >= 0:
                     cpu[:, cpu_row] = gpu[:, v]
         if runs(K.PH_EVICT):
-            for _, _, _, v, cpu_row in misses(c):
-                old = int(st.owner[g, v]) if v is not None and cpu_row is not None else -1
+            for j, (_, _, _, v, cpu_row) in enumerate(
+                misses(c), start=int(scratch.chunk_off[c, int(K.O_MISS)])
+            ):
+                evicting = v is not None and j >= k_free
+                old = int(st.owner[g, v]) if evicting else -1
                 if old >= 0:
-                    st.mapping[g, old] = G + cpu_row
+                    st.mapping[g, old] = int(K.M_UNHOMED) if st.CACHE else G + cpu_row
                     st.owner[g, v] = -1
             if not write:
                 for pos in chunk:
                     slots[pos] = slot_of(pos)
         if runs(K.PH_IN):
-            for p, _, src, v, cpu_row in misses(c):
+            for j, (p, _, src, v, cpu_row) in enumerate(
+                misses(c), start=int(scratch.chunk_off[c, int(K.O_MISS)])
+            ):
                 for layer in range(in_layers.start - layers.start, in_layers.stop - layers.start):
-                    row = cpu[layer, src - G].clone() if src >= G else torch.zeros_like(cpu[layer, 0])
+                    if st.CACHE:
+                        row = (
+                            fetched.view(torch.uint8)
+                            .reshape(-1, len(layers), gpu.shape[-1])[j, layer]
+                            .clone()
+                        )
+                    elif src >= G:
+                        row = cpu[layer, src - G].clone()
+                    else:
+                        row = torch.zeros_like(cpu[layer, 0])
                     if write and layer == local:
                         row = new_rows[p].clone()
                     if v is not None:

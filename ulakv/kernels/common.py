@@ -113,7 +113,8 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 
     Moving 4-byte words quarters the instructions per row (656 B = 164 words); the bits are the same.
     """
-    if rows.shape[-1] % 4 == 0 and rows.is_contiguous():
+    aligned = rows.shape[-1] % 4 == 0 and rows.stride(-1) == 1 and rows.storage_offset() % 4 == 0
+    if aligned and all(s % 4 == 0 for s in rows.stride()[:-1]):  # e.g. a slice of a striped buffer
         return rows.view(torch.int32)
     return rows
 

@@ -30,6 +30,8 @@ def compile_all(arch: int = 90) -> list[str]:
     from triton.runtime.jit import JITFunction, mangle_type
 
     from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+    from ulakv.kernels import common
+    from ulakv.layouts.tiered import BufferState, TieredLayout
     from ulakv.policies.pblru import bucket_bits, search
 
     target = GPUTarget("cuda", arch, 32)
@@ -68,6 +70,14 @@ def compile_all(arch: int = 90) -> list[str]:
         pool.prepare(0, seq.addresses.reshape(1, 1, 4))
         pool._layout.read(1, seq.addresses)
         pool.release(seq)
+        # A striped rank's buffer: the same kernels specialised to drop victims and take fetched rows.
+        buffer_cfg = cfg.replace(layout=Tiered(gpu_slots=40, cpu_slots=0, policy=policy))
+        state = BufferState.allocate(buffer_cfg, addresses=64)
+        state.mapping[:, :4] = -2
+        layout = TieredLayout(buffer_cfg, state)
+        flat = torch.arange(4, dtype=torch.int64)
+        plan, _ = layout.plan(0, flat)
+        layout.execute(plan, fetched=common.as_words(torch.zeros((4, 2, width), dtype=torch.uint8)))
     search(bucket_bits(torch.ones(40, dtype=torch.bool)), 40, 4)
     return sorted(set(compiled.values()))
 

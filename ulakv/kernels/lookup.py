@@ -100,6 +100,7 @@ def classify_kernel(
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
@@ -195,6 +196,7 @@ def classify_kernel(
             POLICY,
             CHUNK,
             BLOCK,
+            CACHE,
         )
 
 
@@ -240,6 +242,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         POLICY=st.policy,
         CHUNK=K.CHUNK,
         BLOCK=BLOCK,
+        CACHE=st.CACHE,
     )
     return 2
 

@@ -67,6 +67,7 @@ def plan_program(
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
     ar = tl.arange(0, BLOCK)
     status = tl.load(ctl_ptr + K.E_STATUS)
@@ -217,6 +218,8 @@ def plan_program(
         # its mapping moved. The pops are handed to apply through scratch, so the pushes can reuse
         # the popped region of the stack without racing its readers.
         pops = M - k_free
+        if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
+            pops = pops * 0
         top = tl.load(gctl_ptr + K.G_CPU_FREE)
         for r0 in range(0, pops, BLOCK):
             rr = r0 + ar
@@ -242,10 +245,15 @@ def plan_program(
         else:
             tl.store(stats_ptr + K.S_HITS, tl.load(stats_ptr + K.S_HITS) + H)
             tl.store(stats_ptr + K.S_MISSES, tl.load(stats_ptr + K.S_MISSES) + M)
-            tl.store(stats_ptr + K.S_BYTES_IN, tl.load(stats_ptr + K.S_BYTES_IN) + MC * group_row_bytes)
+            fetched = MC  # a tier swaps in its CPU-resident misses
+            dropped = evicted  # and swaps its victims out
+            if CACHE:  # a buffer fetches every miss and drops its victims
+                fetched = M
+                dropped = evicted * 0
+            tl.store(stats_ptr + K.S_BYTES_IN, tl.load(stats_ptr + K.S_BYTES_IN) + fetched * group_row_bytes)
             tl.store(
                 stats_ptr + K.S_BYTES_OUT,
-                tl.load(stats_ptr + K.S_BYTES_OUT) + evicted * group_row_bytes,
+                tl.load(stats_ptr + K.S_BYTES_OUT) + dropped * group_row_bytes,
             )
         tl.store(stats_ptr + K.S_VICTIMS, tl.load(stats_ptr + K.S_VICTIMS) + evicted)
         tl.store(stats_ptr + K.S_SEARCH_READS, tl.load(stats_ptr + K.S_SEARCH_READS) + scanned)
@@ -344,7 +352,7 @@ def plan_reference(
             q_run += hits + max(0, min(V - j, need))
             push_run += counts[c][int(K.C_NEED_CPU)]
             j += need
-        pops = M - k_free
+        pops = 0 if st.CACHE else M - k_free
         top = int(gctl[int(K.G_CPU_FREE)])
         for r in range(pops):
             scratch.popped[r] = st.cpu_free[g, top - 1 - r]
@@ -362,8 +370,8 @@ def plan_reference(
         else:
             stats[int(K.S_HITS)] += H
             stats[int(K.S_MISSES)] += M
-            stats[int(K.S_BYTES_IN)] += MC * group_row_bytes
-            stats[int(K.S_BYTES_OUT)] += evicted * group_row_bytes
+            stats[int(K.S_BYTES_IN)] += (M if st.CACHE else MC) * group_row_bytes
+            stats[int(K.S_BYTES_OUT)] += 0 if st.CACHE else evicted * group_row_bytes
         stats[int(K.S_VICTIMS)] += evicted
         stats[int(K.S_SEARCH_READS)] += scanned
         stats[int(K.S_ROUND_READS)] += round_reads

@@ -64,6 +64,10 @@ class TieredState(_Tensors):
     gpu_data: torch.Tensor  # uint8 [layers, G + 1, bytes]; row G is the dummy slot
     cpu_data: torch.Tensor  # uint8 [layers, C + 1, bytes]; pinned host memory beside a GPU
 
+    # A buffer of entries homed on other ranks (``ulakv.layouts.striped``) drops its victims and
+    # fetches its misses; a tiered pool's own state swaps them with its CPU tier.
+    CACHE = False
+
     # State that says where entries live and what the policy knows: what a failed call must not
     # change, and what a pool with no requests resets to.
     RESIDENCY = (
@@ -80,11 +84,18 @@ class TieredState(_Tensors):
     )
 
     @classmethod
-    def allocate(cls, config: PoolConfig) -> TieredState:
+    def allocate(
+        cls, config: PoolConfig, gpu_data: torch.Tensor | None = None, addresses: int | None = None
+    ) -> TieredState:
+        """A fresh state for ``config`` (a ``Tiered`` layout). ``gpu_data`` (uint8 ``[layers, G + 1,
+        bytes]``, possibly a view into a larger buffer) replaces the GPU rows it would allocate;
+        ``addresses`` widens the address space beyond the layout's capacity (a buffer's)."""
         layout, device = config.layout, config.torch_device
         # CPU rows: the admitted tier plus staging rows, all on one free stack.
         G, C, groups = layout.gpu_slots, layout.cpu_slots + layout.cpu_staging, config.num_groups
-        N, B, L = layout.capacity, config.entry.bytes_per_layer, config.num_layers
+        N, B, L = addresses or layout.capacity, config.entry.bytes_per_layer, config.num_layers
+        if gpu_data is not None and tuple(gpu_data.shape) != (L, G + 1, B):
+            raise ValueError(f"gpu_data must be [{L}, {G + 1}, {B}], got {tuple(gpu_data.shape)}")
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         pin = device.type == "cuda"
@@ -111,7 +122,9 @@ class TieredState(_Tensors):
             stats=torch.zeros(K.STATS_WORDS, **i64),
             claim=torch.zeros(N, **i64),
             mark=torch.zeros(G, **i64),
-            gpu_data=torch.zeros((L, G + 1, B), dtype=torch.uint8, device=device),
+            gpu_data=gpu_data
+            if gpu_data is not None
+            else torch.zeros((L, G + 1, B), dtype=torch.uint8, device=device),
             cpu_data=torch.zeros((L, C + 1, B), dtype=torch.uint8, pin_memory=pin)
             if device.type != "meta"
             else torch.empty((L, C + 1, B), dtype=torch.uint8, device=device),
@@ -184,6 +197,14 @@ class TieredState(_Tensors):
     @property
     def num_addresses(self) -> int:
         return self.mapping.shape[1]
+
+
+@dataclass(eq=False)
+class BufferState(TieredState):
+    """A striped rank's buffer of entries homed elsewhere: the same state and kernels as a tier,
+    but victims are dropped (their home is another rank) and misses come from fetched rows."""
+
+    CACHE = True
 
 
 @dataclass(eq=False)
@@ -299,9 +320,16 @@ class TieredLayout:
         )
         return plan, launches
 
-    def execute(self, plan: TransferPlan, until: Phase = Phase.COMMIT, in_layers: range | None = None) -> int:
+    def execute(
+        self,
+        plan: TransferPlan,
+        until: Phase = Phase.COMMIT,
+        in_layers: range | None = None,
+        fetched: torch.Tensor | None = None,
+    ) -> int:
         """Run ``plan``'s phases from where it stopped through ``until``; the ``in`` phase moves
-        ``in_layers`` (default: every layer not moved yet). Returns launches (1)."""
+        ``in_layers`` (default: every layer not moved yet), from ``fetched`` for a buffer.
+        Returns launches (1)."""
         if plan.finished:
             raise UlakvError("this plan has already been run to the end")
         remaining = plan.layers_to_move()
@@ -325,6 +353,7 @@ class TieredLayout:
             plan.slots,
             phases=(int(start), int(until)),
             in_layers=in_layers if start <= Phase.IN <= until else range(0),
+            fetched=fetched,
         )
         if start <= Phase.IN <= until:
             plan.layers_in.update(in_layers)

@@ -1,0 +1,182 @@
+"""Striped layout (tensor parallelism) on gloo processes, world 2 and 4: one home per entry, slots
+that hold the right bytes on every rank, capacity world x slice, and the reference decoder's logits
+bit-identical to the single-process dense run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ulakv import PBLRU, CapacityError, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv.config import Striped
+from ulakv.engine.reference import DecoderSpec, DenseKV, PoolKV, Request, TinyDecoder, generate
+from ulakv.spawn import run_ranks
+
+WIDTH = 12
+
+
+def striped_pool(rank: int, world: int, cpu: int, policy, gpu: int = 10, buffer: int = 14) -> Pool:
+    return Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=WIDTH),
+            num_layers=3,
+            layers_per_group=2,
+            layout=Striped(
+                world=world,
+                rank=rank,
+                buffer_slots=buffer,
+                policy=policy,
+                inner=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=ExactLRU()),
+            ),
+        )
+    )
+
+
+def row_of(address: int, layer: int, version: int) -> torch.Tensor:
+    return ((torch.arange(WIDTH) * 7 + address * 131 + layer * 29 + version * 13) % 251).to(torch.uint8)
+
+
+def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int) -> dict:
+    policy = PBLRU(3) if policy_name == "pblru3" else ExactLRU()
+    pool = striped_pool(rank, world, cpu, policy)
+    rng = random.Random(seed)  # the same on every rank: every rank runs the same batch
+    expected: dict[tuple[int, int], torch.Tensor] = {}
+    seqs, checked = [], 0
+    for step in range(24):
+        op = rng.random()
+        live = [a for s in seqs for a in s._addresses]
+        if (op < 0.3 or not live) and pool.free_addresses >= 6:
+            seq = pool.admit(rng.randint(1, 6))
+            seqs.append(seq)
+            for layer in range(3):
+                rows = torch.stack([row_of(a, layer, step) for a in seq._addresses])
+                pool.write(layer, seq.addresses, rows)
+                expected.update({(layer, a): r for a, r in zip(seq._addresses, rows, strict=True)})
+        elif op < 0.4 and seqs:
+            seq = seqs.pop(rng.randrange(len(seqs)))
+            pool.release(seq)
+        elif op < 0.5:  # overwrite one layer of entries that may sit in buffers
+            layer = rng.randrange(3)
+            addrs = rng.sample(live, min(3, len(live)))
+            rows = torch.stack([row_of(a, layer, 100 + step) for a in addrs])
+            pool.write(layer, torch.tensor(addrs), rows)
+            expected.update({(layer, a): r for a, r in zip(addrs, rows, strict=True)})
+        else:
+            group = rng.randrange(2)
+            cand = rng.sample(live, min(len(live), 10))
+            sel = torch.tensor(
+                [[[rng.choice([*cand, -1]) for _ in range(4)] for _ in range(2)] for _ in range(2)]
+            )
+            slots = pool.prepare(group, sel).slots
+            for layer in pool.group_layers(group):
+                buf = pool.gpu_buffer(layer)
+                for a, s in zip(sel.flatten().tolist(), slots.flatten().tolist(), strict=True):
+                    assert (a < 0) == (s < 0)
+                    if a >= 0:
+                        assert torch.equal(buf[s], expected[(layer, a)]), (
+                            f"step {step} layer {layer} addr {a}"
+                        )
+                        checked += 1
+        pool.check_invariants()
+    stats = pool.stats()
+    live = [a for s in seqs for a in s._addresses]
+    if live:
+        for layer in range(3):
+            got = pool.read(layer, torch.tensor(live))
+            assert torch.equal(got, torch.stack([expected[(layer, a)] for a in live]))
+    # Capacity: what is left admits exactly, one more token is refused on every rank.
+    rest = pool.admit(pool.free_addresses)
+    with pytest.raises(CapacityError):
+        pool.admit(1)
+    for layer in range(3):
+        pool.write(layer, rest.addresses, torch.stack([row_of(a, layer, 0) for a in rest._addresses]))
+    pool.check_invariants()
+    full = pool.stats()
+    pool.release(rest)
+    return {"checked": checked, "stats": stats, "full": full, "capacity": pool.capacity}
+
+
+@pytest.mark.parametrize(
+    ("world", "cpu", "policy"),
+    [(2, 0, "lru"), (2, 9, "pblru3"), (4, 9, "lru"), (4, 0, "pblru3")],
+    ids=["w2-gpu-only-lru", "w2-tiered-pblru3", "w4-tiered-lru", "w4-gpu-only-pblru3"],
+)
+def test_striped_pool_under_random_traffic(world, cpu, policy) -> None:
+    results = run_ranks(_traffic, world, cpu, policy, world * 10 + cpu)
+    slice_capacity = 10 + cpu
+    for r in results:
+        assert r["checked"] > 0 and r["capacity"] == world * slice_capacity
+        full = r["full"]
+        # Each rank homes exactly its share; one home per entry, no copies outside the buffers.
+        assert full["live_addresses"] == world * slice_capacity
+        assert full["distinct_entries"] == full["physical_slots_used"] == 2 * slice_capacity  # 2 groups
+    assert sum(r["stats"]["bytes_communicated"] for r in results) > 0  # misses were fetched
+
+
+def _overwrite_buffered(rank: int, world: int) -> int:
+    """Entries buffered on other ranks, then written again: every rank's next prepare (all hits)
+    must read the new bytes, so a write refreshes buffer copies without communication."""
+    pool = striped_pool(rank, world, 0, ExactLRU())
+    seq = pool.admit(8)
+    for layer in range(3):
+        pool.write(layer, seq.addresses, torch.stack([row_of(a, layer, 0) for a in seq._addresses]))
+    sel = seq.addresses.view(1, 8)
+    pool.prepare(0, sel)  # every entry now in every rank's buffer (remote ones fetched)
+    new = torch.stack([row_of(a, 1, 7) for a in seq._addresses])
+    pool.write(1, seq.addresses, new)
+    before = pool.stats()["misses"]
+    slots = pool.prepare(0, sel).slots.flatten()
+    assert pool.stats()["misses"] == before  # all hits: nothing fetched again
+    assert torch.equal(pool.gpu_buffer(1)[slots.long()], new)
+    assert torch.equal(
+        pool.gpu_buffer(0)[slots.long()], torch.stack([row_of(a, 0, 0) for a in seq._addresses])
+    )
+    return int(slots.max())
+
+
+def test_a_write_refreshes_buffered_copies() -> None:
+    assert all(top >= 0 for top in run_ranks(_overwrite_buffered, 2))
+
+
+def _decode(rank: int, world: int, cpu: bool, dense: list[torch.Tensor], requests, spec) -> dict:
+    history = sum(len(r.prompt) + r.new_tokens for r in requests)
+    share = -(-history // world)
+    most = spec.topk * spec.queries * len(requests)  # distinct addresses one group-step may select
+    # With a CPU tier the slice's GPU part is smaller than its share of history: entries go to the CPU.
+    inner = Tiered(gpu_slots=most, cpu_slots=share) if cpu else Tiered(gpu_slots=max(share, most))
+    layout = Striped(world=world, rank=rank, buffer_slots=2 * most, inner=inner)
+    store = PoolKV(spec, layout)
+    pooled = generate(TinyDecoder(spec), store, requests)
+    same = len(pooled) == len(dense) and all(torch.equal(a, b) for a, b in zip(dense, pooled, strict=True))
+    return {
+        "same": same,
+        "steps": len(pooled),
+        "stats": store.pool.stats(),
+        "share": share,
+        "gpu": inner.gpu_slots,
+    }
+
+
+@pytest.mark.parametrize(("world", "cpu"), [(2, True), (4, False)], ids=["w2-tiered", "w4-gpu-only"])
+def test_tp_decoder_logits_equal_dense(world, cpu) -> None:
+    spec = DecoderSpec(topk=12, queries=1)
+    rng = random.Random(5)
+    requests = [
+        Request(
+            tuple(rng.randrange(97) for _ in range(rng.randint(4, 10))),
+            rng.randint(24, 30),
+            rng.randint(0, 6),
+        )
+        for _ in range(8)
+    ]
+    dense = generate(TinyDecoder(spec), DenseKV(spec, len(requests), 48), requests)
+    assert len(dense) >= 32
+    results = run_ranks(_decode, world, cpu, dense, requests, spec)
+    for r in results:
+        assert r["same"], "TP logits differ from the dense single-process run"
+        assert r["stats"]["misses"] > 0 and r["stats"]["bytes_communicated"] > 0
+        assert r["stats"]["buffer_victims"] > 0  # the buffer is smaller than the history it serves
+        if cpu:
+            assert r["gpu"] < r["share"]  # the slice's history does not fit its GPU part

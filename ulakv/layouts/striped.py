@@ -1,0 +1,270 @@
+"""One rank of a tensor-parallel pool: every entry's one home is on rank ``address mod world``.
+
+Each rank holds
+
+- its slice of history: an inner tiered pool over its local addresses (``address // world``), GPU
+  only or with a CPU tier, exactly as a data-parallel rank would;
+- a buffer of ``buffer_slots`` GPU rows for recently selected entries, a ``BufferState`` run by the
+  same kernels as a tier except that victims are dropped (their home keeps them) and misses are
+  filled with rows fetched from their homes.
+
+All ranks run the same batch, so they pass the same selections to the buffer, whose kernels are
+deterministic: every rank takes the same buffer decisions and knows every other rank's misses
+without asking. A ``prepare`` therefore needs one collective: each home contributes the rows of the
+misses it holds (read from its own GPU slots, where its inner ``prepare`` has just brought them) and
+an all-gather hands every rank all of them. Locally homed entries are read in place: the slots
+``prepare`` returns index this rank's ``gpu_buffer(layer)``, which holds the inner GPU slots (rows
+``[0, S)``, dummy row ``S``) and then the buffer (rows ``S + 1 + b``, dummy last).
+
+The buffer holds every selected entry, this rank's own included (their buffer rows are filled but
+never returned here): a ``1/world`` share of the buffer spent so that the decisions need no
+communication.
+
+Host syncs: sizing the collective needs the number of misses per home (one small read-back per
+group-step), and validation reads the status. Striped pools are for correctness and capacity first;
+a fixed-size variant for CUDA graphs is left to later work.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
+from ..config import PoolConfig, Striped, Tiered
+from ..errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
+from ..invariants import check_invariants
+from ..kernels import common as K
+from ..kernels import release as release_mod
+from .tiered import BufferState, TieredLayout
+
+_ids = itertools.count(1 << 20)
+
+
+class StripedPool:
+    """A rank's part of a ``Striped`` pool; every rank calls the same methods with the same
+    arguments in the same order (DESIGN section 6). Built by ``Pool(config)``."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        from ..pool import Pool
+
+        lay: Striped = config.layout
+        if not dist.is_available() or not dist.is_initialized():
+            raise UlakvError("a Striped pool needs torch.distributed initialised first")
+        if dist.get_world_size() != lay.world or dist.get_rank() != lay.rank:
+            raise UlakvError(
+                f"Striped(world={lay.world}, rank={lay.rank}) but torch.distributed has world "
+                f"{dist.get_world_size()}, rank {dist.get_rank()}"
+            )
+        self.config = config
+        self.device = config.torch_device
+        self.world, self.rank = lay.world, lay.rank
+        S, B, L = lay.inner.gpu_slots, lay.buffer_slots, config.num_layers
+        width = config.entry.bytes_per_layer
+        self._offset = S + 1  # buffer slot b is row S + 1 + b of gpu_buffer(layer)
+        self._rows = torch.zeros((L, S + 1 + B + 1, width), dtype=torch.uint8, device=self.device)
+        self.inner = Pool(config.replace(layout=lay.inner), _gpu_data=self._rows[:, : S + 1])
+        buffer_cfg = config.replace(layout=Tiered(gpu_slots=B, cpu_slots=0, policy=lay.policy))
+        self._buffer = BufferState.allocate(
+            buffer_cfg, gpu_data=self._rows[:, S + 1 :], addresses=lay.capacity
+        )
+        self._buffer.ctl[int(K.E_MAX_SELECTION)] = lay.max_selection
+        self._buffer_layout = TieredLayout(buffer_cfg, self._buffer)
+        self._allocator = LogicalAllocator(lay.capacity)
+        self._id = next(_ids)
+        self._seq_ids = itertools.count()
+        self.bytes_received = 0  # rows fetched from other ranks, cumulative
+        self.collectives = 0
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._allocator.capacity
+
+    @property
+    def free_addresses(self) -> int:
+        return self._allocator.free
+
+    @property
+    def num_groups(self) -> int:
+        return self.config.num_groups
+
+    def group_layers(self, group: int) -> range:
+        return self.inner.group_layers(group)
+
+    def gpu_buffer(self, layer: int) -> torch.Tensor:
+        """uint8 ``[S + 1 + buffer_slots + 1, bytes]``: this rank's GPU slice, then its buffer."""
+        self.inner._check_layer(layer)
+        return self._rows[layer]
+
+    # -- admission -------------------------------------------------------------------------------
+    def admit(self, num_tokens: int) -> Sequence:
+        seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
+        self._home(seq, self._allocator.take(num_tokens))
+        return seq
+
+    def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
+        self._check_seq(seq)
+        return self._home(seq, self._allocator.take(num_tokens))
+
+    def _local(self, addresses: list[int]) -> list[int]:
+        return [t // self.world for t in addresses if t % self.world == self.rank]
+
+    def _home(self, seq: Sequence, taken: list[int]) -> torch.Tensor:
+        try:
+            self.inner._take_exact(self._local(taken))
+        except BaseException:
+            self._allocator.give_back(taken)
+            raise
+        new = addresses_on(taken, self.device)
+        if taken:
+            self._buffer.mapping[:, new] = UNHOMED
+            seq._addresses.extend(taken)
+            seq._tensor = None
+        return new
+
+    def release(self, seq: Sequence) -> None:
+        self._check_seq(seq)
+        local = self._local(seq._addresses)
+        self.inner._release_addresses(local, addresses_on(local, self.device))
+        if seq._addresses:
+            release_mod.release(seq.addresses, self._buffer)
+        self._allocator.give_back(seq._addresses)
+        seq.released = True
+        if self._allocator.free == self._allocator.capacity:
+            self._buffer.reset_residency()
+
+    # -- the hot path ----------------------------------------------------------------------------
+    def _local_of(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = (flat >= 0) & (flat % self.world == self.rank)
+        return mine, torch.where(mine, flat // self.world, -1)
+
+    def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Every rank passes the full rows; each keeps those homed on it, and refreshes its buffer
+        copies of any written entry (no communication)."""
+        self.inner._check_layer(layer)
+        if not isinstance(addrs, torch.Tensor) or addrs.dim() != 1:
+            raise InvalidInputError("write: addrs must be a 1-D int32 or int64 tensor")
+        self._check_live("write", addrs)  # on every rank, before any rank changes anything
+        _, local = self._local_of(addrs.to(torch.int64))
+        self.inner.write(layer, local, rows)
+        g = self.config.group_of(layer)
+        held = self._buffer.mapping[g, addrs.clamp(min=0).long()]
+        cached = (addrs >= 0) & (held >= 0) & (held < self._buffer.gpu_slots)
+        dummy = self._rows.shape[1] - 1
+        rows_at = torch.where(cached, self._offset + held.long(), dummy)
+        self._rows[layer].index_copy_(0, rows_at, rows)
+
+    def prepare(self, group: int, topk: torch.Tensor):
+        """Collective: every rank passes the same ``topk`` and gets slots into its own
+        ``gpu_buffer(layer)``; misses are fetched from their homes with one all-gather."""
+        from ..pool import Selection
+
+        if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
+            raise InvalidInputError("prepare: topk must be a [batch, k] or [batch, q, k] tensor")
+        flat = topk.reshape(-1).to(torch.int64)
+        T = flat.numel()
+        if T == 0:
+            return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
+        layers = self.config.group_layers(group)
+        plan, _ = self._buffer_layout.plan(group, flat)
+        status = int(self._buffer.ctl[int(K.E_LAST_STATUS)])
+        if status:
+            self._buffer.ctl[int(K.E_PENDING)] = 0
+            self._buffer_layout.execute(plan, fetched=plan.scratch.victims)  # refused: moves nothing
+            if status & int(K.ST_TOO_LARGE):
+                raise CapacityError(
+                    f"prepare: more distinct addresses than the {self.config.layout.max_selection} a "
+                    "striped prepare may select (buffer_slots, or the inner slice's limit); nothing changed"
+                )
+            raise InvalidAddressError("prepare: addresses out of range or not live; nothing changed")
+        mine, local = self._local_of(flat)
+        inner_slots = self.inner.prepare(group, local.view(1, T)).slots.view(-1)
+
+        # The misses, in the buffer's victim order (the same on every rank), and their homes.
+        sc = plan.scratch
+        chunks = -(-T // K.CHUNK)
+        counts = sc.counts[:chunks, int(K.C_NEED)].tolist()
+        miss_pos = torch.cat(
+            [sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(counts)]
+        ).long()
+        home = flat[miss_pos] % self.world
+        onehot = home[:, None] == torch.arange(self.world, device=self.device)[None, :]
+        per_home = onehot.sum(0).tolist()
+        width = max(per_home) if per_home else 0
+        fetched = None
+        if width:
+            ours = miss_pos[home == self.rank]
+            slots_here = inner_slots[ours].long()
+            send = torch.zeros(
+                (width, len(layers), self._rows.shape[2]), dtype=torch.uint8, device=self.device
+            )
+            send[: ours.numel()] = self._rows[layers.start : layers.stop][:, slots_here].permute(1, 0, 2)
+            gathered = [torch.empty_like(send) for _ in range(self.world)]
+            dist.all_gather(gathered, send)
+            self.collectives += 1
+            self.bytes_received += (self.world - 1) * send.numel()
+            rank_in_home = (onehot.long().cumsum(0) - 1).gather(1, home[:, None]).flatten()
+            fetched = torch.stack(gathered)[home, rank_in_home].contiguous()
+        self._buffer_layout.execute(plan, fetched=K.as_words(fetched) if fetched is not None else sc.victims)
+        slots = torch.where(mine, inner_slots, torch.where(flat >= 0, self._offset + plan.slots, -1))
+        return Selection(group, slots.to(torch.int32).view(topk.shape))
+
+    # -- slow paths ------------------------------------------------------------------------------
+    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
+        """Collective: the bytes of ``addrs`` from their homes, on every rank."""
+        flat = addrs.reshape(-1).to(torch.int64).to(self.device)
+        if bool(((flat < 0) | (flat >= self.capacity)).any()):
+            raise InvalidAddressError(f"read: addresses out of range [0, {self.capacity})")
+        mine, local = self._local_of(flat)
+        out = torch.zeros(
+            (flat.numel(), self.config.entry.bytes_per_layer), dtype=torch.uint8, device=self.device
+        )
+        if bool(mine.any()):
+            out[mine] = self.inner.read(layer, local[mine])
+        words = out.view(torch.int32) if out.shape[1] % 4 == 0 else out.to(torch.int32)
+        dist.all_reduce(words)  # exactly one rank holds each row; the others add zeros
+        return words.view(torch.uint8) if out.shape[1] % 4 == 0 else words.to(torch.uint8)
+
+    def stats(self) -> dict[str, int]:
+        """This rank's counters: its slice (``distinct_entries``, ``physical_slots_used``, tier
+        traffic) and its buffer (``hits``/``misses`` of every selection, rows fetched)."""
+        inner = self.inner.stats()
+        buffer = dict(zip(K.STAT_NAMES, self._buffer.stats.tolist(), strict=False))
+        used = self.num_groups * self._buffer.gpu_slots - int(self._buffer.gctl[:, int(K.G_GPU_FREE)].sum())
+        return {
+            **inner,
+            "live_addresses": self.capacity - self.free_addresses,
+            "hits": buffer["hits"],
+            "misses": buffer["misses"],
+            "buffer_slots_used": used,
+            "buffer_victims": buffer["victims"],
+            "bytes_in": inner["bytes_in"] + self.bytes_received,
+            "bytes_communicated": self.bytes_received,
+            "collectives": self.collectives,
+        }
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def check_invariants(self) -> None:
+        """The inner slice's invariants, and the buffer's (one slot per buffered entry, free
+        stack and policy order consistent)."""
+        self.inner.check_invariants()
+        check_invariants(self._buffer, self._allocator)
+
+    def _check_live(self, what: str, addrs: torch.Tensor) -> None:
+        flat = addrs.reshape(-1).to(torch.int64)
+        used = flat[flat >= 0]
+        if bool(((used >= self.capacity) | (flat < -1)).any()):
+            raise InvalidAddressError(f"{what}: addresses out of range [0, {self.capacity})")
+        if bool((self._buffer.mapping[0, used] == -1).any()):
+            raise InvalidAddressError(f"{what}: addresses not live (released or never admitted)")
+
+    def _check_seq(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence) or seq.pool_id != self._id:
+            raise InvalidAddressError("the sequence does not belong to this pool")
+        if seq.released:
+            raise InvalidAddressError(f"sequence {seq.seq_id} was already released")
