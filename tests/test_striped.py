@@ -5,11 +5,12 @@ bit-identical to the single-process dense run."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 
-from ulakv import PBLRU, CapacityError, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv import PBLRU, CapacityError, CollectiveError, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
 from ulakv.config import Striped
 from ulakv.engine.reference import DecoderSpec, DenseKV, PoolKV, Request, TinyDecoder, generate
 from ulakv.spawn import run_ranks
@@ -138,6 +139,31 @@ def _overwrite_buffered(rank: int, world: int) -> int:
 
 def test_a_write_refreshes_buffered_copies() -> None:
     assert all(top >= 0 for top in run_ranks(_overwrite_buffered, 2))
+
+
+def _one_rank_stalls(rank: int, world: int) -> float | None:
+    """Rank 1 never joins the fetch; rank 0 must get a clear error within its timeout."""
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=WIDTH),
+            num_layers=1,
+            layout=Striped(world=world, rank=rank, buffer_slots=8, inner=Tiered(gpu_slots=8), timeout_s=2.0),
+        )
+    )
+    seq = pool.admit(6)
+    pool.write(0, seq.addresses, torch.stack([row_of(a, 0, 0) for a in seq._addresses]))
+    if rank == 1:
+        time.sleep(6.0)  # stalled: never reaches the collective
+        return None
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match="did not complete within 2 s"):
+        pool.prepare(0, seq.addresses.view(1, 6))  # every entry misses the buffer: a fetch
+    return time.monotonic() - start
+
+
+def test_a_stalled_rank_is_a_clear_error_not_a_hang() -> None:
+    waited = run_ranks(_one_rank_stalls, 2)[0]
+    assert 1.5 < waited < 5.0
 
 
 def _decode(rank: int, world: int, cpu: bool, dense: list[torch.Tensor], requests, spec) -> dict:

@@ -1,9 +1,10 @@
 """ulakv: one logical address and one physical home for every KV entry of a sparse-attention LLM."""
 
 from .address_space import Sequence
-from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
+from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Striped, Tiered
 from .errors import (
     CapacityError,
+    CollectiveError,
     ConfigError,
     InvalidAddressError,
     InvalidInputError,
@@ -15,6 +16,7 @@ from .pool import Pool, Selection
 __all__ = [
     "PBLRU",
     "CapacityError",
+    "CollectiveError",
     "ConfigError",
     "EntrySpec",
     "ExactLRU",
@@ -25,6 +27,7 @@ __all__ = [
     "PoolConfig",
     "Selection",
     "Sequence",
+    "Striped",
     "Tiered",
     "UlakvError",
 ]

@@ -142,8 +142,17 @@ class Striped:
     buffer_slots: int
     policy: PolicyConfig = field(default_factory=ExactLRU)
     inner: Tiered = field(default_factory=lambda: Tiered(gpu_slots=1))
+    timeout_s: float = 60.0  # a collective that takes longer raises CollectiveError on this rank
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, (int, float))
+            or self.timeout_s <= 0
+        ):
+            raise ConfigError(
+                f"Striped.timeout_s must be a positive number of seconds, got {self.timeout_s!r}"
+            )
         _check_int("Striped.world", self.world, 1)
         _check_int("Striped.rank", self.rank, 0)
         if self.rank >= self.world:

@@ -26,3 +26,9 @@ class InvalidInputError(UlakvError, ValueError):
 
 class InvariantError(UlakvError, AssertionError):
     """A pool invariant (DESIGN section 4) does not hold; only raised by debug checks."""
+
+
+class CollectiveError(UlakvError, RuntimeError):
+    """A collective of a striped pool did not complete: another rank died, stalled past the
+    layout's ``timeout_s``, or called something else. The pool's state on this rank is no longer
+    in step with the others; rebuild the group."""

@@ -1,5 +1,5 @@
 """Layouts: where the one home of every entry is."""
 
-from ..config import Tiered
+from ..config import Striped, Tiered
 
-__all__ = ["Tiered"]
+__all__ = ["Striped", "Tiered"]

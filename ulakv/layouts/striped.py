@@ -27,6 +27,7 @@ a fixed-size variant for CUDA graphs is left to later work.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 
 import torch
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import PoolConfig, Striped, Tiered
-from ..errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
+from ..errors import CapacityError, CollectiveError, InvalidAddressError, InvalidInputError, UlakvError
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import release as release_mod
@@ -203,8 +204,7 @@ class StripedPool:
             )
             send[: ours.numel()] = self._rows[layers.start : layers.stop][:, slots_here].permute(1, 0, 2)
             gathered = [torch.empty_like(send) for _ in range(self.world)]
-            dist.all_gather(gathered, send)
-            self.collectives += 1
+            self._collective("the all-gather of missed rows", dist.all_gather, gathered, send)
             self.bytes_received += (self.world - 1) * send.numel()
             rank_in_home = (onehot.long().cumsum(0) - 1).gather(1, home[:, None]).flatten()
             fetched = torch.stack(gathered)[home, rank_in_home].contiguous()
@@ -225,7 +225,7 @@ class StripedPool:
         if bool(mine.any()):
             out[mine] = self.inner.read(layer, local[mine])
         words = out.view(torch.int32) if out.shape[1] % 4 == 0 else out.to(torch.int32)
-        dist.all_reduce(words)  # exactly one rank holds each row; the others add zeros
+        self._collective("read", dist.all_reduce, words)  # one rank holds each row; the others add zeros
         return words.view(torch.uint8) if out.shape[1] % 4 == 0 else words.to(torch.uint8)
 
     def stats(self) -> dict[str, int]:
@@ -254,6 +254,20 @@ class StripedPool:
         stack and policy order consistent)."""
         self.inner.check_invariants()
         check_invariants(self._buffer, self._allocator)
+
+    def _collective(self, what: str, op, *args) -> None:
+        """Run ``op`` and wait for it at most ``timeout_s``: a dead or stalled rank becomes a
+        ``CollectiveError`` here, never a silent hang."""
+        timeout = self.config.layout.timeout_s
+        try:
+            work = op(*args, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world}: {what} did not complete within {timeout:g} s "
+                f"(a rank died, stalled, or called something else): {exc}"
+            ) from exc
+        self.collectives += 1
 
     def _check_live(self, what: str, addrs: torch.Tensor) -> None:
         flat = addrs.reshape(-1).to(torch.int64)
