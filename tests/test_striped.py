@@ -172,7 +172,7 @@ def _decode(rank: int, world: int, cpu: bool, dense: list[torch.Tensor], request
     most = spec.topk * spec.queries * len(requests)  # distinct addresses one group-step may select
     # With a CPU tier the slice's GPU part is smaller than its share of history: entries go to the CPU.
     inner = Tiered(gpu_slots=most, cpu_slots=share) if cpu else Tiered(gpu_slots=max(share, most))
-    layout = Striped(world=world, rank=rank, buffer_slots=2 * most, inner=inner)
+    layout = Striped(world=world, rank=rank, buffer_slots=most, inner=inner)  # = one step at most
     store = PoolKV(spec, layout)
     pooled = generate(TinyDecoder(spec), store, requests)
     same = len(pooled) == len(dense) and all(torch.equal(a, b) for a, b in zip(dense, pooled, strict=True))
@@ -182,6 +182,7 @@ def _decode(rank: int, world: int, cpu: bool, dense: list[torch.Tensor], request
         "stats": store.pool.stats(),
         "share": share,
         "gpu": inner.gpu_slots,
+        "indexer_bytes": store.indexer_bytes,
     }
 
 
@@ -204,5 +205,6 @@ def test_tp_decoder_logits_equal_dense(world, cpu) -> None:
         assert r["same"], "TP logits differ from the dense single-process run"
         assert r["stats"]["misses"] > 0 and r["stats"]["bytes_communicated"] > 0
         assert r["stats"]["buffer_victims"] > 0  # the buffer is smaller than the history it serves
+        assert r["indexer_bytes"] > 0  # each rank scored its own keys and merged candidates
         if cpu:
             assert r["gpu"] < r["share"]  # the slice's history does not fit its GPU part

@@ -23,6 +23,13 @@ import torch
 import torch.distributed as dist
 
 
+def index_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scores ``[Q, n]`` of ``n`` keys ``[n, D]`` for ``Q`` queries ``[Q, D]``, each score reduced
+    on its own: unlike a matmul, whose blocking depends on ``n``, a score's bits do not depend on
+    which other keys are scored with it, so a rank scoring its stripe gets the dense scores exactly."""
+    return (queries[:, None, :] * keys[None, :, :]).sum(-1)
+
+
 def global_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The single-device reference: positions of the ``k`` best scores of each row of the dense
     ``[Q, context]`` scores, best first, ties towards the lower position; -1 pads."""

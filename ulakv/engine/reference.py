@@ -4,7 +4,9 @@
   all heads, stored as bf16 bytes (1152 B a token-layer), written when the layer computes it.
 * An indexer per layer group scores *every* past position with its own small keys, which stay dense
   and GPU-resident (never offloaded), and picks the top-k; every layer of the group attends only to
-  those positions (ties broken towards the lower position).
+  those positions (ties broken towards the lower position). Under tensor parallelism (a striped
+  pool) each rank scores only the positions homed on it and the ranks merge their candidates
+  (``ulakv.engine.indexer``), which gives the same picks bit for bit.
 * Optional speculative queries: ``queries`` query positions per request and step whose indexer
   queries differ slightly, so selections are ``[batch, queries, k]`` and overlap heavily; the first
   query's logits decide the next token (drafts are scored, not accepted: what matters to the pool is
@@ -26,6 +28,7 @@ import torch
 from ..config import EntrySpec, PoolConfig, Tiered
 from ..pool import Pool
 from .adapter import GroupStep, SparseKV
+from .indexer import global_topk, index_scores, topk_merge
 
 LATENT = 512
 ROPE = 64
@@ -56,6 +59,12 @@ class Request:
     arrival: int
 
 
+def dense_pick(queries: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The indexer on one device: score every past position, keep the ``k`` best (ties towards
+    the lower position), -1 padding: ``[Q, k]``."""
+    return global_topk(index_scores(queries, keys), k)
+
+
 class DenseKV:
     """All latents in one tensor per layer: the reference the pool must match."""
 
@@ -71,6 +80,9 @@ class DenseKV:
 
     def write(self, layer: int, rids: list[int], positions: list[int], latents: torch.Tensor) -> None:
         self.kv[layer, rids, positions] = latents
+
+    def pick(self, group: int, rid: int, queries: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
+        return dense_pick(queries, keys, k)
 
     def select(self, group: int, rids: list[int], positions: torch.Tensor) -> torch.Tensor:
         return positions
@@ -113,6 +125,7 @@ class PoolKV:
             else None
         )
         self.seqs: dict[int, object] = {}
+        self.indexer_bytes = 0  # received by the striped indexer's merges (tensor parallelism)
 
     def admit(self, rid: int) -> None:
         self.seqs[rid] = self.pool.admit(0)
@@ -129,6 +142,18 @@ class PoolKV:
             addrs.append(seq.addresses[p])
         rows = latents.contiguous().view(torch.uint8).view(len(rids), -1)
         (self.kv or self.pool).write(layer, torch.stack(addrs), rows)
+
+    def pick(self, group: int, rid: int, queries: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
+        """The indexer's top-k. Under tensor parallelism each rank scores only the keys of the
+        positions homed on it (address mod world) and the ranks merge their top-k candidates."""
+        if self.kv is not None:
+            return dense_pick(queries, keys, k)
+        world, rank = self.pool.world, self.pool.rank
+        addresses = self.seqs[rid].addresses[: keys.shape[0]]
+        mine = torch.nonzero(addresses % world == rank).flatten()
+        picks, received = topk_merge(index_scores(queries, keys[mine]), mine, k)
+        self.indexer_bytes += received
+        return picks
 
     def select(self, group: int, rids: list[int], positions: torch.Tensor) -> GroupStep:
         addrs = torch.stack(
@@ -189,10 +214,7 @@ class TinyDecoder:
             store.write(first, rids, positions, (x @ self.w_kv[first]).to(torch.bfloat16))
             for b, r in enumerate(rids):
                 keys[g][r].append(new_keys[b])
-                scores = queries[b] @ torch.stack(keys[g][r]).T  # [Q, length]
-                n = min(K, scores.shape[1])
-                order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
-                picks[b, :, :n] = order
+                picks[b] = store.pick(g, r, queries[b], torch.stack(keys[g][r]), K)
             handle = store.select(g, rids, picks)
             for layer in layers:
                 if layer != first:
