@@ -10,7 +10,19 @@ import time
 import pytest
 import torch
 
-from ulakv import PBLRU, CapacityError, CollectiveError, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv import (
+    PBLRU,
+    CapacityError,
+    CollectiveError,
+    EntrySpec,
+    ExactLRU,
+    InvalidAddressError,
+    InvalidInputError,
+    Pool,
+    PoolConfig,
+    Tiered,
+    UlakvError,
+)
 from ulakv.config import Striped
 from ulakv.engine.reference import DecoderSpec, DenseKV, PoolKV, Request, TinyDecoder, generate
 from ulakv.spawn import run_ranks
@@ -158,7 +170,40 @@ def _one_rank_stalls(rank: int, world: int) -> float | None:
     start = time.monotonic()
     with pytest.raises(CollectiveError, match="did not complete within 2 s"):
         pool.prepare(0, seq.addresses.view(1, 6))  # every entry misses the buffer: a fetch
-    return time.monotonic() - start
+    waited = time.monotonic() - start
+    with pytest.raises(UlakvError, match="no longer in step"):  # and it stays refused
+        pool.prepare(0, seq.addresses.view(1, 6))
+    return waited
+
+
+def _bad_input_everywhere(rank: int, world: int) -> int:
+    """Bad calls are refused on every rank alike (none enters a collective the others skip), and
+    change nothing: the pool works on afterwards."""
+    pool = striped_pool(rank, world, 0, ExactLRU())
+    seq = pool.admit(6)
+    rows = torch.stack([row_of(a, 0, 0) for a in seq._addresses])
+    pool.write(0, seq.addresses, rows)
+    dup = seq.addresses[[0, 1, 0]]
+    refused = 0
+    for call, error in (
+        (lambda: pool.write(0, dup, rows[:3]), InvalidAddressError),  # a duplicate: home rank only
+        (lambda: pool.read(99, seq.addresses), InvalidInputError),
+        (lambda: pool.read(0, torch.tensor([10**6])), InvalidAddressError),
+        (lambda: pool.prepare(-1, seq.addresses.view(1, 6)), InvalidInputError),
+        (lambda: pool.prepare(0, seq.addresses.view(1, 6).float()), InvalidInputError),
+    ):
+        with pytest.raises(error):
+            call()
+        refused += 1
+    assert torch.equal(pool.read(0, seq.addresses), rows)
+    slots = pool.prepare(0, seq.addresses.view(1, 6)).slots.flatten()
+    assert torch.equal(pool.gpu_buffer(0)[slots.long()], rows)
+    pool.check_invariants()
+    return refused
+
+
+def test_bad_input_is_refused_on_every_rank() -> None:
+    assert run_ranks(_bad_input_everywhere, 2) == [5, 5]
 
 
 def test_a_stalled_rank_is_a_clear_error_not_a_hang() -> None:

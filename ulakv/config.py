@@ -164,6 +164,10 @@ class Striped:
             )
         if not isinstance(self.inner, Tiered):
             raise ConfigError(f"Striped.inner must be a Tiered layout, got {self.inner!r}")
+        if self.inner.gpu_slots + self.buffer_slots + 2 > MAX_SLOTS:  # slots into gpu_buffer are int32
+            raise ConfigError(
+                f"inner.gpu_slots + buffer_slots = {self.inner.gpu_slots + self.buffer_slots} is too large"
+            )
         if self.world * self.inner.capacity > MAX_SLOTS:
             raise ConfigError(
                 f"world x inner capacity = {self.world * self.inner.capacity} exceeds {MAX_SLOTS}"

@@ -35,7 +35,8 @@ def global_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     ``[Q, context]`` scores, best first, ties towards the lower position; -1 pads."""
     Q = scores.shape[0]
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    return torch.cat([order, torch.full((Q, k - order.shape[1]), -1, dtype=order.dtype)], dim=1)
+    pad = torch.full((Q, k - order.shape[1]), -1, dtype=order.dtype, device=order.device)
+    return torch.cat([order, pad], dim=1)
 
 
 def _best(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +51,8 @@ def _best(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.
     s, p = torch.gather(s, 1, order), torch.gather(p, 1, order)
     pad = k - s.shape[1]
     if pad > 0:
-        s = torch.cat([s, torch.full((Q, pad), float("-inf"), dtype=s.dtype)], dim=1)
-        p = torch.cat([p, torch.full((Q, pad), -1, dtype=p.dtype)], dim=1)
+        s = torch.cat([s, torch.full((Q, pad), float("-inf"), dtype=s.dtype, device=s.device)], dim=1)
+        p = torch.cat([p, torch.full((Q, pad), -1, dtype=p.dtype, device=p.device)], dim=1)
     return s, p
 
 
@@ -89,11 +90,11 @@ def topk_all_scores(
     world = dist.get_world_size(group)
     width = max(p.numel() for p in positions_of)
     Q = scores.shape[0]
-    mine = torch.full((Q, width), float("-inf"), dtype=torch.float32)
+    mine = torch.full((Q, width), float("-inf"), dtype=torch.float32, device=scores.device)
     mine[:, : scores.shape[1]] = scores.float()
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    dense = torch.full((Q, context), float("-inf"), dtype=torch.float32)
+    dense = torch.full((Q, context), float("-inf"), dtype=torch.float32, device=scores.device)
     for r, pos in enumerate(positions_of):
         dense[:, pos] = gathered[r][:, : pos.numel()]
     received = (world - 1) * mine.numel() * mine.element_size()

@@ -150,7 +150,7 @@ class PoolKV:
             return dense_pick(queries, keys, k)
         world, rank = self.pool.world, self.pool.rank
         addresses = self.seqs[rid].addresses[: keys.shape[0]]
-        mine = torch.nonzero(addresses % world == rank).flatten()
+        mine = torch.nonzero(addresses % world == rank).flatten().to(keys.device)
         picks, received = topk_merge(index_scores(queries, keys[mine]), mine, k)
         self.indexer_bytes += received
         return picks

@@ -243,7 +243,8 @@ def apply_kernel(
                         is_written = (tl.zeros((ROWS, WORDS), tl.int32) + layer) == write_layer
                         row = tl.where(is_written, new_row, row)
                     tl.store(gpu_ptr + layer * gpu_layer_stride + g2, row, mask=to_gpu)
-                    tl.store(cpu_ptr + layer * cpu_layer_stride + c2, row, mask=to_cpu)
+                    if not CACHE:  # a buffer's misses always get a slot (max_selection <= slots)
+                        tl.store(cpu_ptr + layer * cpu_layer_stride + c2, row, mask=to_cpu)
             if WRITE:
                 _write_homed(
                     base,

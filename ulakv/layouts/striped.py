@@ -78,6 +78,7 @@ class StripedPool:
         self._seq_ids = itertools.count()
         self.bytes_received = 0  # rows fetched from other ranks, cumulative
         self.collectives = 0
+        self._broken: str | None = None  # why a prepare stopped half-way, if one did
 
     # -- shape ---------------------------------------------------------------------------------
     @property
@@ -148,7 +149,8 @@ class StripedPool:
         self.inner._check_layer(layer)
         if not isinstance(addrs, torch.Tensor) or addrs.dim() != 1:
             raise InvalidInputError("write: addrs must be a 1-D int32 or int64 tensor")
-        self._check_live("write", addrs)  # on every rank, before any rank changes anything
+        self._check_usable()
+        self._check_live("write", addrs, unique=True)  # on every rank, before any rank changes anything
         _, local = self._local_of(addrs.to(torch.int64))
         self.inner.write(layer, local, rows)
         g = self.config.group_of(layer)
@@ -163,8 +165,13 @@ class StripedPool:
         ``gpu_buffer(layer)``; misses are fetched from their homes with one all-gather."""
         from ..pool import Selection
 
+        self._check_usable()
+        self.inner._check_group(group)
         if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
             raise InvalidInputError("prepare: topk must be a [batch, k] or [batch, q, k] tensor")
+        if topk.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
+        self.inner._check_device("prepare: topk", topk)
         flat = topk.reshape(-1).to(torch.int64)
         T = flat.numel()
         if T == 0:
@@ -181,6 +188,18 @@ class StripedPool:
                     "striped prepare may select (buffer_slots, or the inner slice's limit); nothing changed"
                 )
             raise InvalidAddressError("prepare: addresses out of range or not live; nothing changed")
+        try:
+            return self._fetch_and_apply(group, topk, flat, plan, layers)
+        except BaseException as exc:
+            # The buffer's plan has taken slots and moved its policy, and the ranks may be out of
+            # step: nothing further on this pool can be trusted.
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _fetch_and_apply(self, group, topk, flat, plan, layers):
+        from ..pool import Selection
+
+        T = flat.numel()
         mine, local = self._local_of(flat)
         inner_slots = self.inner.prepare(group, local.view(1, T)).slots.view(-1)
 
@@ -215,9 +234,14 @@ class StripedPool:
     # -- slow paths ------------------------------------------------------------------------------
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
         """Collective: the bytes of ``addrs`` from their homes, on every rank."""
+        self._check_usable()
+        self.inner._check_layer(layer)
+        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
         flat = addrs.reshape(-1).to(torch.int64).to(self.device)
-        if bool(((flat < 0) | (flat >= self.capacity)).any()):
+        if bool((flat < 0).any()):
             raise InvalidAddressError(f"read: addresses out of range [0, {self.capacity})")
+        self._check_live("read", flat)
         mine, local = self._local_of(flat)
         out = torch.zeros(
             (flat.numel(), self.config.entry.bytes_per_layer), dtype=torch.uint8, device=self.device
@@ -255,6 +279,13 @@ class StripedPool:
         self.inner.check_invariants()
         check_invariants(self._buffer, self._allocator)
 
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise UlakvError(
+                f"this striped pool (rank {self.rank}) stopped in the middle of a prepare ({self._broken}); "
+                "its ranks are no longer in step: rebuild the group and the pool"
+            )
+
     def _collective(self, what: str, op, *args) -> None:
         """Run ``op`` and wait for it at most ``timeout_s``: a dead or stalled rank becomes a
         ``CollectiveError`` here, never a silent hang."""
@@ -269,13 +300,19 @@ class StripedPool:
             ) from exc
         self.collectives += 1
 
-    def _check_live(self, what: str, addrs: torch.Tensor) -> None:
+    def _check_live(self, what: str, addrs: torch.Tensor, unique: bool = False) -> None:
+        """Checks every rank can make alike (they all hold the global addresses and the buffer's
+        mapping of them), so all ranks refuse the same calls."""
         flat = addrs.reshape(-1).to(torch.int64)
         used = flat[flat >= 0]
         if bool(((used >= self.capacity) | (flat < -1)).any()):
             raise InvalidAddressError(f"{what}: addresses out of range [0, {self.capacity})")
         if bool((self._buffer.mapping[0, used] == -1).any()):
             raise InvalidAddressError(f"{what}: addresses not live (released or never admitted)")
+        if unique and used.numel() > 1:
+            ordered = used.sort().values
+            if bool((ordered[1:] == ordered[:-1]).any()):
+                raise InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
 
     def _check_seq(self, seq: Sequence) -> None:
         if not isinstance(seq, Sequence) or seq.pool_id != self._id:
