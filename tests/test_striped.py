@@ -253,3 +253,23 @@ def test_tp_decoder_logits_equal_dense(world, cpu) -> None:
         assert r["indexer_bytes"] > 0  # each rank scored its own keys and merged candidates
         if cpu:
             assert r["gpu"] < r["share"]  # the slice's history does not fit its GPU part
+
+
+def _striped_replay(rank: int, world: int) -> tuple[float, int, int]:
+    from ulakv.replay import replay
+    from ulakv.traces import SyntheticSpec, synthetic
+
+    trace = synthetic(
+        SyntheticSpec(requests=3, prompt=(40, 60), steps=5, topk=8, queries=2, groups=2, seed=2)
+    )
+    layout = Striped(world=world, rank=rank, buffer_slots=64, inner=Tiered(gpu_slots=200))
+    result = replay(trace, ExactLRU(), 64, bytes_per_layer=WIDTH, layout=layout)
+    return result.hit_rate, result.pool_stats["collectives"], result.prepares
+
+
+def test_a_trace_replays_through_a_striped_pool() -> None:
+    """``replay(..., layout=Striped(...))``: every rank sees the same buffer hit rate; at most one
+    collective per group-step."""
+    results = run_ranks(_striped_replay, 2)
+    assert results[0][0] == results[1][0] and 0 < results[0][0] < 1
+    assert all(0 < collectives <= prepares for _, collectives, prepares in results)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
+from .config import PBLRU, EntrySpec, ExactLRU, LayoutConfig, PoolConfig, Tiered
 from .policies import ExactLRUModel, PBLRUModel
 from .policies.exact_lru import distinct
 from .pool import Pool
@@ -37,6 +37,7 @@ class ReplayResult:
     victims: int
     victim_search_reads: int
     round_upkeep_reads: int
+    pool_stats: dict = field(default_factory=dict, compare=False)  # the target's final counters
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -221,17 +222,23 @@ def replay(
     device: str = "cpu",
     backend: str = "pool",
     on_step: Callable[[int], None] | None = None,
+    layout: LayoutConfig | None = None,
 ) -> ReplayResult:
     """Run ``trace`` with ``gpu_slots`` GPU slots per group and ``policy``; the CPU tier holds
     everything, so capacity never binds. ``backend="pool"`` runs a real pool (its kernels);
-    ``"model"`` runs the policies' plain models, which decide the same (word counts excepted)."""
+    ``"model"`` runs the policies' plain models, which decide the same (word counts excepted).
+    ``layout`` replaces the tiered layout (pool backend only): a ``Striped`` rank, for instance,
+    whose buffer of ``gpu_slots`` is what the hits, misses and Belady figures describe;
+    ``ReplayResult.pool_stats`` keeps the pool's own counters."""
     groups = trace.groups
     total_tokens = sum(r.prompt_len + r.steps for r in trace.requests)
+    if layout is not None and backend != "pool":
+        raise ValueError("a replacement layout replays through a real pool (backend='pool')")
     cfg = PoolConfig(
         entry=EntrySpec(bytes_per_layer=bytes_per_layer),
         num_layers=groups * layers_per_group,
         layers_per_group=layers_per_group,
-        layout=Tiered(gpu_slots=gpu_slots, cpu_slots=total_tokens, policy=policy),
+        layout=layout or Tiered(gpu_slots=gpu_slots, cpu_slots=total_tokens, policy=policy),
         device=device,
         validate=False,
     )
@@ -296,4 +303,5 @@ def replay(
         victims=stats["victims"],
         victim_search_reads=stats["victim_search_reads"],
         round_upkeep_reads=stats["round_upkeep_reads"],
+        pool_stats=dict(stats),
     )
