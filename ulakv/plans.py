@@ -69,10 +69,6 @@ class TransferPlan:
     ready: dict[int, object] = field(default_factory=dict)
 
     @property
-    def is_write(self) -> bool:
-        return self.rows is not None
-
-    @property
     def finished(self) -> bool:
         return self.applied >= Phase.COMMIT
 

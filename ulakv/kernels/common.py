@@ -96,7 +96,6 @@ PH_OUT = tl.constexpr(1)
 PH_EVICT = tl.constexpr(2)
 PH_IN = tl.constexpr(3)
 PH_COMMIT = tl.constexpr(4)
-PHASE_NAMES = {1: "out", 2: "evict", 3: "in", 4: "commit"}
 
 # Mapping encoding (see ulakv.address_space).
 M_FREE = tl.constexpr(-1)
