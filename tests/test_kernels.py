@@ -125,7 +125,7 @@ def test_stages_match_reference_under_random_traffic(gpu, cpu, width, layers, pe
             release_mod.release(seq.addresses, pool._state)
             release_mod.release_reference(seq.addresses, st_ref)
             assert_tensors_equal(pool._state.tensors(), st_ref.tensors(), "release: ")
-            pool._allocator.give_back(seq._addresses)
+            pool._allocator.give_back(seq._runs)
             seq.released = True
         elif live:
             group = rng.randrange(pool.num_groups)

@@ -1,7 +1,7 @@
 """ulakv: one logical address and one physical home for every KV entry of a sparse-attention LLM."""
 
 from .address_space import Sequence
-from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Striped, Tiered
+from .config import PBLRU, CPUOffloadBaseline, EntrySpec, ExactLRU, PoolConfig, Replicated, Striped, Tiered
 from .errors import (
     CapacityError,
     CollectiveError,
@@ -15,6 +15,7 @@ from .pool import Pool, Selection
 
 __all__ = [
     "PBLRU",
+    "CPUOffloadBaseline",
     "CapacityError",
     "CollectiveError",
     "ConfigError",
@@ -25,6 +26,7 @@ __all__ = [
     "InvariantError",
     "Pool",
     "PoolConfig",
+    "Replicated",
     "Selection",
     "Sequence",
     "Striped",

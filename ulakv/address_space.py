@@ -29,11 +29,34 @@ UNHOMED = -2
 PADDING = -1  # in selections and writes
 
 
-def addresses_on(addresses: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of host-chosen addresses on ``device`` without stalling the host: to a GPU
-    through pinned memory and an asynchronous copy (the pinned block is not reused before the copy
-    is done: PyTorch's host allocator records the stream), so ``extend`` stays sync-free."""
-    host = torch.tensor(addresses, dtype=torch.int64)
+def runs_of(addresses) -> list[range]:
+    """Addresses as ascending, merged runs: from ranges, ints, or a mix (order is not kept)."""
+    pieces = sorted(
+        ((a.start, a.stop) if isinstance(a, range) else (a, a + 1) for a in addresses if a != range(0)),
+    )
+    runs: list[range] = []
+    for lo, hi in pieces:
+        if runs and lo <= runs[-1].stop:
+            if hi > runs[-1].stop:
+                runs[-1] = range(runs[-1].start, hi)
+        else:
+            runs.append(range(lo, hi))
+    return runs
+
+
+def count(runs: list[range]) -> int:
+    return sum(len(r) for r in runs)
+
+
+def addresses_on(runs: list[range], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of host-chosen addresses (given as runs) on ``device`` without stalling the
+    host: to a GPU through pinned memory and an asynchronous copy (the pinned block is not reused
+    before the copy is done: PyTorch's host allocator records the stream), so ``extend`` stays
+    sync-free."""
+    if runs:
+        host = torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64) for r in runs])
+    else:
+        host = torch.empty(0, dtype=torch.int64)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -41,11 +64,14 @@ def addresses_on(addresses: list[int], device: torch.device) -> torch.Tensor:
 
 @dataclass(eq=False)
 class Sequence:
-    """A request's handle: the logical addresses of its tokens, in position order."""
+    """A request's handle: the logical addresses of its tokens, in position order.
+
+    The addresses are kept as runs (a 128K-token request admitted into a fresh pool is one
+    ``range``), so a capacity planner can admit hundreds of long requests in no time."""
 
     pool_id: int
     seq_id: int
-    _addresses: list[int] = field(default_factory=list, repr=False)
+    _runs: list[range] = field(default_factory=list, repr=False)
     _tensor: torch.Tensor | None = field(default=None, repr=False)
     _device: torch.device = field(default_factory=lambda: torch.device("cpu"), repr=False)
     released: bool = False
@@ -54,40 +80,71 @@ class Sequence:
     def addresses(self) -> torch.Tensor:
         """int64 tensor ``[len(self)]`` of logical addresses on the pool's device."""
         if self._tensor is None:
-            self._tensor = addresses_on(self._addresses, self._device)
+            self._tensor = addresses_on(self._runs, self._device)
         return self._tensor
 
+    @property
+    def _addresses(self) -> list[int]:
+        """The addresses as a host list (tests and small tools)."""
+        return [a for r in self._runs for a in r]
+
+    def _append(self, runs: list[range]) -> None:
+        for r in runs:
+            if self._runs and self._runs[-1].stop == r.start:
+                self._runs[-1] = range(self._runs[-1].start, r.stop)
+            else:
+                self._runs.append(r)
+        self._tensor = None
+
     def __len__(self) -> int:
-        return len(self._addresses)
+        return count(self._runs)
 
 
 class LogicalAllocator:
     """Hands out logical addresses in ``[0, capacity)``; admission fails whole or not at all.
 
     Addresses are reused lowest-first after release, so a fresh pool and a pool whose requests all
-    left hand out the same addresses.
+    left hand out the same addresses. Free addresses are kept as sorted runs: taking or giving
+    back costs the number of runs, not of tokens.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        # A stack whose top is the lowest free address.
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self._runs: list[range] = [range(capacity)] if capacity else []
+        self._free = capacity
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self._free
 
-    def take(self, n: int) -> list[int]:
+    def free_runs(self) -> list[range]:
+        return list(self._runs)
+
+    def take(self, n: int) -> list[range]:
+        """The ``n`` lowest free addresses, as ascending runs."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidAddressError(f"number of tokens must be a non-negative int, got {n!r}")
-        if n > len(self._free):
+        if n > self._free:
             raise CapacityError(
-                f"cannot admit {n} tokens: {len(self._free)} of {self.capacity} logical addresses free"
+                f"cannot admit {n} tokens: {self._free} of {self.capacity} logical addresses free"
             )
-        taken = self._free[len(self._free) - n :][::-1]
-        del self._free[len(self._free) - n :]
+        taken: list[range] = []
+        need = n
+        while need:
+            run = self._runs[0]
+            if len(run) <= need:
+                taken.append(run)
+                need -= len(run)
+                del self._runs[0]
+            else:
+                taken.append(range(run.start, run.start + need))
+                self._runs[0] = range(run.start + need, run.stop)
+                need = 0
+        self._free -= n
         return taken
 
-    def give_back(self, addresses: list[int]) -> None:
-        self._free.extend(addresses)
-        self._free.sort(reverse=True)
+    def give_back(self, runs) -> None:
+        """Return addresses (runs or ints) taken earlier."""
+        back = runs_of(runs)
+        self._runs = runs_of(self._runs + back)
+        self._free += count(back)

@@ -185,7 +185,81 @@ class Striped:
         return min(self.buffer_slots, self.inner.max_selection)
 
 
-LayoutConfig = Tiered | Striped
+@dataclass(frozen=True)
+class Replicated:
+    """Today's MLA under tensor parallelism, kept as an honest baseline: each of ``world`` ranks
+    stores every entry in its own ``gpu_slots`` GPU rows (the latent KV cannot be split by head).
+
+    A pool built from it is one rank's replica (every rank receives the same calls and rows, so
+    the replicas stay equal without communication). Admission capacity is ``gpu_slots``, not
+    ``world x gpu_slots``; ``stats()`` counts the physical slots of all ``world`` replicas, so
+    distinct entries / physical slots is ``1 / world``.
+    """
+
+    world: int
+    gpu_slots: int
+
+    def __post_init__(self) -> None:
+        _check_int("Replicated.world", self.world, 1)
+        _check_int("Replicated.gpu_slots", self.gpu_slots, 1)
+        if self.gpu_slots > MAX_SLOTS:
+            raise ConfigError(f"Replicated.gpu_slots exceeds {MAX_SLOTS}: mapping entries are int32")
+
+    @property
+    def storage(self) -> Tiered:
+        """What one replica is: a GPU-only tiered pool (it never evicts)."""
+        return Tiered(gpu_slots=self.gpu_slots, cpu_slots=0)
+
+    @property
+    def capacity(self) -> int:
+        return self.gpu_slots
+
+    @property
+    def max_selection(self) -> int:
+        return self.gpu_slots
+
+
+@dataclass(frozen=True)
+class CPUOffloadBaseline:
+    """The CPU-offload baseline (SGLang's HiSparse), kept as an honest comparison: the full history
+    in ``cpu_slots`` CPU rows (every admitted token has one), and each of at most ``max_requests``
+    requests a fixed GPU buffer of ``slots_per_request`` rows a layer group with its own exact
+    LRU. GPU rows are copies: a miss copies the row in from the CPU, a victim is dropped, a write
+    goes to the CPU history at once (and refreshes a buffered copy).
+
+    Admission capacity is ``cpu_slots`` tokens and ``max_requests`` requests; a ``prepare`` may
+    select at most ``slots_per_request`` distinct addresses of one request in a group.
+    """
+
+    cpu_slots: int
+    slots_per_request: int = 4096
+    max_requests: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("CPUOffloadBaseline.cpu_slots", self.cpu_slots, 1)
+        _check_int("CPUOffloadBaseline.slots_per_request", self.slots_per_request, 1)
+        _check_int("CPUOffloadBaseline.max_requests", self.max_requests, 1)
+        if self.cpu_slots > MAX_SLOTS:
+            raise ConfigError(f"CPUOffloadBaseline.cpu_slots exceeds {MAX_SLOTS}: addresses are int32")
+        if self.max_requests * (self.slots_per_request + 1) + 1 > MAX_SLOTS:
+            raise ConfigError("max_requests x slots_per_request is too large: slots are int32")
+
+    @property
+    def capacity(self) -> int:
+        return self.cpu_slots
+
+    @property
+    def max_selection(self) -> int:
+        """Most distinct addresses of one request a ``prepare`` may select in a group."""
+        return self.slots_per_request
+
+    @property
+    def gpu_slots(self) -> int:
+        """GPU rows a layer of the pool holds: every request's buffer."""
+        return self.max_requests * self.slots_per_request
+
+
+LayoutConfig = Tiered | Striped | Replicated | CPUOffloadBaseline
 
 
 @dataclass(frozen=True)
@@ -216,7 +290,7 @@ class PoolConfig:
             raise ConfigError(
                 f"layers_per_group ({self.layers_per_group}) exceeds num_layers ({self.num_layers})"
             )
-        if not isinstance(self.layout, (Tiered, Striped)):
+        if not isinstance(self.layout, (Tiered, Striped, Replicated, CPUOffloadBaseline)):
             raise ConfigError(
                 f"PoolConfig.layout must be a layout config such as Tiered(...), got {self.layout!r}"
             )

@@ -20,8 +20,8 @@ def check_invariants(state, allocator: LogicalAllocator) -> None:
     slot owners agree with the mapping, and every GPU entry sits exactly once in the LRU order."""
     G, C, N = state.gpu_slots, state.cpu_slots, state.num_addresses
     live = torch.ones(N, dtype=torch.bool)
-    if allocator.free:
-        live[torch.tensor(allocator._free, dtype=torch.int64)] = False
+    for run in allocator.free_runs():
+        live[run.start : run.stop] = False
     for g in range(state.num_groups):
         mapping = state.mapping[g].cpu().to(torch.int64)
         owner = state.owner[g].cpu().to(torch.int64)

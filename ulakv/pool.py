@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
-from .config import PoolConfig, Striped
+from .address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, runs_of
+from .config import CPUOffloadBaseline, PoolConfig, Replicated, Striped
 from .errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
 from .invariants import check_invariants
 from .kernels import common as K
@@ -50,6 +50,10 @@ class Pool:
             from .layouts.striped import StripedPool  # a rank of a tensor-parallel pool
 
             return StripedPool(config)
+        if isinstance(config, PoolConfig) and isinstance(config.layout, CPUOffloadBaseline):
+            from .layouts.offload import OffloadPool  # the CPU-offload baseline
+
+            return OffloadPool(config)
         return super().__new__(cls)
 
     def __init__(self, config: PoolConfig, *, _gpu_data: torch.Tensor | None = None) -> None:
@@ -64,8 +68,13 @@ class Pool:
             self._validate = config.validate
         else:
             self._validate = self._debug or self.device.type == "cpu"
-        self._state = TieredState.allocate(config, gpu_data=_gpu_data)
-        self._layout = TieredLayout(config, self._state)
+        # A replica of a Replicated pool is stored as a GPU-only tiered pool; stats() counts the
+        # other world - 1 replicas' slots too.
+        layout = config.layout
+        self._replicas = layout.world if isinstance(layout, Replicated) else 1
+        self._storage = config.replace(layout=layout.storage) if isinstance(layout, Replicated) else config
+        self._state = TieredState.allocate(self._storage, gpu_data=_gpu_data)
+        self._layout = TieredLayout(self._storage, self._state)
         self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
         # The plan planned last and not yet run to the end: the plan kernel has already taken its
@@ -122,21 +131,20 @@ class Pool:
         taken = self._allocator.take(num_tokens)
         return self._home(seq, taken)
 
-    def _home(self, seq: Sequence, taken: list[int]) -> torch.Tensor:
+    def _home(self, seq: Sequence, taken: list[range]) -> torch.Tensor:
         new = addresses_on(taken, self.device)
         if taken:
             self._state.mapping[:, new] = UNHOMED
-            seq._addresses.extend(taken)
-            seq._tensor = None
+            seq._append(taken)
         return new
 
     def release(self, seq: Sequence) -> None:
         """Return every address and slot of ``seq`` in every group."""
         self._check_seq(seq)
-        self._release_addresses(seq._addresses, seq.addresses)
+        self._release_addresses(seq._runs, seq.addresses)
         seq.released = True
 
-    def _release_addresses(self, addresses: list[int], on_device: torch.Tensor) -> None:
+    def _release_addresses(self, addresses: list[range], on_device: torch.Tensor) -> None:
         self._finish_pending()
         self._launches += self._layout.release(on_device)
         self._allocator.give_back(addresses)
@@ -145,16 +153,15 @@ class Pool:
             self._state.reset_residency()
         self._after_call()
 
-    def _take_exact(self, addresses: list[int]) -> None:
-        """Admit exactly ``addresses``, which must be the lowest free ones (a striped pool's rank
-        takes the local part of what the global allocator handed out: its lowest free, too)."""
+    def _take_exact(self, addresses: list[range]) -> None:
+        """Admit exactly ``addresses`` (runs), which must be the lowest free ones (a striped pool's
+        rank takes the local part of what the global allocator handed out: its lowest free, too)."""
         self._finish_pending()
-        taken = self._allocator.take(len(addresses))
-        if taken != addresses:
+        want = runs_of(addresses)
+        taken = self._allocator.take(sum(len(r) for r in want))
+        if runs_of(taken) != want:
             self._allocator.give_back(taken)
-            raise UlakvError(
-                f"striped admission out of step: expected {addresses[:4]}..., got {taken[:4]}..."
-            )
+            raise UlakvError(f"striped admission out of step: expected {want[:2]}..., got {taken[:2]}...")
         if taken:
             self._state.mapping[:, addresses_on(taken, self.device)] = UNHOMED
 
@@ -301,7 +308,9 @@ class Pool:
         return {
             "live_addresses": self.capacity - self.free_addresses,
             "distinct_entries": int((st.mapping >= 0).sum()),
-            "physical_slots_used": gpu_used + cpu_used,
+            # every replica's slots (a Replicated pool is one of world equal replicas)
+            "physical_slots_used": self._replicas * (gpu_used + cpu_used),
+            "replicas": self._replicas,
             "gpu_slots_used": gpu_used,
             "cpu_slots_used": cpu_used,
             **counters,
@@ -355,7 +364,7 @@ class Pool:
         if status & int(K.ST_DUPLICATE):
             return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
         if status & int(K.ST_TOO_LARGE):
-            layout = self.config.layout
+            layout = self._storage.layout
             return CapacityError(
                 f"{what}: the selection has more distinct addresses than the {layout.max_selection} a "
                 f"prepare may select (gpu_slots {layout.gpu_slots}, staging_slots {layout.cpu_staging}); "

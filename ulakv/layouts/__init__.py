@@ -1,5 +1,5 @@
-"""Layouts: where the one home of every entry is."""
+"""Layouts: where the one home of every entry is (and, kept as baselines, where copies are)."""
 
-from ..config import Striped, Tiered
+from ..config import CPUOffloadBaseline, Replicated, Striped, Tiered
 
-__all__ = ["Striped", "Tiered"]
+__all__ = ["CPUOffloadBaseline", "Replicated", "Striped", "Tiered"]

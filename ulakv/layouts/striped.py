@@ -111,10 +111,17 @@ class StripedPool:
         self._check_seq(seq)
         return self._home(seq, self._allocator.take(num_tokens))
 
-    def _local(self, addresses: list[int]) -> list[int]:
-        return [t // self.world for t in addresses if t % self.world == self.rank]
+    def _local(self, runs: list[range]) -> list[range]:
+        """The local addresses (``t // world``) of the runs' addresses homed on this rank."""
+        local = []
+        for r in runs:
+            first = r.start + (self.rank - r.start) % self.world  # first address homed here
+            n = len(range(first, r.stop, self.world))
+            if n:
+                local.append(range(first // self.world, first // self.world + n))
+        return local
 
-    def _home(self, seq: Sequence, taken: list[int]) -> torch.Tensor:
+    def _home(self, seq: Sequence, taken: list[range]) -> torch.Tensor:
         try:
             self.inner._take_exact(self._local(taken))
         except BaseException:
@@ -123,17 +130,16 @@ class StripedPool:
         new = addresses_on(taken, self.device)
         if taken:
             self._buffer.mapping[:, new] = UNHOMED
-            seq._addresses.extend(taken)
-            seq._tensor = None
+            seq._append(taken)
         return new
 
     def release(self, seq: Sequence) -> None:
         self._check_seq(seq)
-        local = self._local(seq._addresses)
+        local = self._local(seq._runs)
         self.inner._release_addresses(local, addresses_on(local, self.device))
-        if seq._addresses:
+        if seq._runs:
             release_mod.release(seq.addresses, self._buffer)
-        self._allocator.give_back(seq._addresses)
+        self._allocator.give_back(seq._runs)
         seq.released = True
         if self._allocator.free == self._allocator.capacity:
             self._buffer.reset_residency()

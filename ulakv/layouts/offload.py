@@ -1,0 +1,360 @@
+"""The CPU-offload baseline (what SGLang's HiSparse does), as a layout beside ulakv's own.
+
+- The full history lives in CPU rows: address ``a`` is CPU row ``a``, every layer, from admission
+  to release. A write goes there at once (the eager backup), so the CPU copy is always complete.
+- Each request owns a fixed GPU buffer of ``slots_per_request`` rows a layer group with its own
+  exact LRU, a ``BufferState`` run by the same kernels as a striped rank's buffer: a miss copies
+  the row in from the CPU, a victim is dropped (its CPU row is still there). GPU rows are copies,
+  so distinct entries / physical slots stays below 1, and an idle request's quota cannot be lent.
+
+Selections are split by request: every request present in a ``prepare`` runs its own buffer's
+plan and apply (3 launches) plus one gather per layer of its misses' rows from the CPU. The
+baseline validates on the host every call (a sync) and copies a write's rows to host memory at
+once; it is a comparison point for capacity, hit rate and bytes moved, not for launch counts.
+
+Left out on purpose: HiSparse also places a new token in its request's GPU buffer when it is
+written; here a new token enters the buffer when first selected (one extra fetch per selected new
+token: at most 1 in 2048 selected entries a step).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
+from ..config import CPUOffloadBaseline, ExactLRU, PoolConfig, Tiered
+from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError, UlakvError
+from ..invariants import check_invariants
+from ..kernels import common as K
+from ..kernels import gather as gather_mod
+from ..kernels import release as release_mod
+from ..kernels._triton import triton
+from .tiered import BufferState, TieredLayout
+
+_ids = itertools.count(1 << 21)
+
+
+class _OnlyLive:
+    """An allocator's view for ``check_invariants``: only ``runs`` are live (one request's)."""
+
+    def __init__(self, capacity: int, runs: list[range]) -> None:
+        self.capacity, self.runs = capacity, runs
+
+    def free_runs(self) -> list[range]:
+        out, at = [], 0
+        for r in sorted(self.runs, key=lambda r: r.start):
+            if r.start > at:
+                out.append(range(at, r.start))
+            at = max(at, r.stop)
+        if at < self.capacity:
+            out.append(range(at, self.capacity))
+        return out
+
+
+class OffloadPool:
+    """A ``CPUOffloadBaseline`` pool, with the calls and counters of :class:`ulakv.Pool`."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        from ..pool import _debug_enabled
+
+        lay: CPUOffloadBaseline = config.layout
+        self.config = config
+        self.device = config.torch_device
+        N, R, Q = lay.cpu_slots, lay.max_requests, lay.slots_per_request
+        L, W = config.num_layers, config.entry.bytes_per_layer
+        meta = self.device.type == "meta"
+        self._debug = _debug_enabled()
+        # History row N is a zero row that padding gathers point at (the map sends N nowhere).
+        self._history = (
+            torch.empty((L, N + 1, W), dtype=torch.uint8, device=self.device)
+            if meta
+            else torch.zeros((L, N + 1, W), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        )
+        history_map = torch.arange(N + 1, dtype=torch.int32, device=self.device)
+        history_map[N] = UNHOMED
+        self._history_map = history_map  # the gather kernel's mapping: every home a CPU row
+        self._request_of = torch.full((N,), -1, dtype=torch.int32, device=self.device)
+        # Buffer r is rows [r (Q + 1), (r + 1)(Q + 1)) of every layer (its last row its dummy);
+        # the final row absorbs writes of rows that are not buffered.
+        self._rows = torch.zeros((L, R * (Q + 1) + 1, W), dtype=torch.uint8, device=self.device)
+        buffer_cfg = config.replace(layout=Tiered(gpu_slots=Q, cpu_slots=0, policy=ExactLRU()))
+        self._buffers = []
+        for r in range(R):
+            rows = self._rows[:, r * (Q + 1) : (r + 1) * (Q + 1)]
+            state = BufferState.allocate(buffer_cfg, gpu_data=rows, addresses=N)
+            self._buffers.append(TieredLayout(buffer_cfg, state))
+        self._allocator = LogicalAllocator(N)
+        self._idle = list(range(R - 1, -1, -1))  # idle buffers, lowest on top
+        self._seqs: dict[int, Sequence] = {}  # buffer index -> the request that owns it
+        self._buffer_of: dict[int, int] = {}  # sequence id -> its buffer index
+        self._id = next(_ids)
+        self._seq_ids = itertools.count()
+        self._launches = 0
+        self._bytes_backed_up = 0
+
+    # -- shape -------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._allocator.capacity
+
+    @property
+    def free_addresses(self) -> int:
+        return self._allocator.free
+
+    @property
+    def num_groups(self) -> int:
+        return self.config.num_groups
+
+    def group_layers(self, group: int) -> range:
+        self._check_group(group)
+        return self.config.group_layers(group)
+
+    def gpu_buffer(self, layer: int) -> torch.Tensor:
+        """uint8 ``[max_requests x (slots_per_request + 1) + 1, bytes]``: every request's buffer."""
+        self._check_layer(layer)
+        return self._rows[layer]
+
+    # -- admission -------------------------------------------------------------------------------
+    def admit(self, num_tokens: int) -> Sequence:
+        """A new request: its tokens get CPU rows and the request a GPU buffer; CapacityError
+        (nothing changed) if either is short."""
+        if not self._idle:
+            raise CapacityError(
+                f"cannot admit: all {self.config.layout.max_requests} per-request GPU buffers are in use"
+            )
+        taken = self._allocator.take(num_tokens)
+        r = self._idle.pop()
+        seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
+        self._seqs[r] = seq
+        self._buffer_of[seq.seq_id] = r
+        self._home(seq, taken)
+        return seq
+
+    def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
+        self._check_seq(seq)
+        return self._home(seq, self._allocator.take(num_tokens))
+
+    def _home(self, seq: Sequence, taken: list[range]) -> torch.Tensor:
+        new = addresses_on(taken, self.device)
+        if taken:
+            r = self._buffer_of[seq.seq_id]
+            self._request_of[new] = r
+            self._buffers[r].state.mapping[:, new] = UNHOMED
+            seq._append(taken)
+        return new
+
+    def release(self, seq: Sequence) -> None:
+        """Free the request's CPU rows (zeroed: a later request reads zeros until it writes) and
+        empty its GPU buffer."""
+        self._check_seq(seq)
+        r = self._buffer_of.pop(seq.seq_id)
+        addrs = seq.addresses
+        if len(seq):
+            self._launches += release_mod.release(addrs, self._buffers[r].state)
+            self._request_of[addrs] = -1
+            self._history[:, addrs.to(self._history.device)] = 0
+        self._buffers[r].state.reset_residency()
+        self._allocator.give_back(seq._runs)
+        del self._seqs[r]
+        self._idle.append(r)
+        self._idle.sort(reverse=True)
+        seq.released = True
+        self._after_call()
+
+    # -- the hot path ----------------------------------------------------------------------------
+    def prepare(self, group: int, topk: torch.Tensor):
+        """Bring every selected address into its request's GPU buffer; slots index
+        ``gpu_buffer(layer)``. Each request's buffer decides alone (its own LRU and quota)."""
+        from ..pool import Selection
+
+        self._check_group(group)
+        if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
+            raise InvalidInputError("prepare: topk must be a [batch, k] or [batch, q, k] tensor")
+        if topk.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
+        self._check_device("prepare: topk", topk)
+        self._need_data("prepare")
+        flat = topk.reshape(-1).to(torch.int64)
+        slots = torch.full((flat.numel(),), -1, dtype=torch.int32, device=self.device)
+        if flat.numel() == 0:
+            return Selection(group, slots.view(topk.shape))
+        self._check_live("prepare", flat, padding=True)
+        lay: CPUOffloadBaseline = self.config.layout
+        Q = lay.slots_per_request
+        # Distinct selected addresses per request, checked against the quota before any change.
+        used = flat[flat >= 0]
+        ordered = used.sort().values
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        per_request = torch.bincount(self._request_of[ordered[first]].long(), minlength=lay.max_requests)
+        per_request = per_request.tolist()
+        if max(per_request) > Q:
+            raise CapacityError(
+                f"prepare: a request selects {max(per_request)} distinct addresses, more than its GPU "
+                f"buffer of {Q} (slots_per_request); nothing changed"
+            )
+        owner = torch.where(flat >= 0, self._request_of[flat.clamp(min=0)], -1)
+        layers = self.config.group_layers(group)
+        for r, n in enumerate(per_request):
+            if n == 0:
+                continue  # not scheduled this step: its LRU does not tick
+            sel = torch.where(owner == r, flat, -1)
+            layout = self._buffers[r]
+            plan, launches = layout.plan(group, sel)
+            self._launches += launches
+            self._launches += layout.execute(plan, fetched=self._fetch(plan, sel, layers))
+            slots = torch.where(sel >= 0, plan.slots + r * (Q + 1), slots)
+        self._after_call()
+        return Selection(group, slots.view(topk.shape))
+
+    def _fetch(self, plan, sel: torch.Tensor, layers: range) -> torch.Tensor:
+        """The rows of ``plan``'s misses from the CPU history, every layer of the group, in the
+        buffer's miss order (words ``[misses, layers, W]``); no host sync."""
+        sc, T, N = plan.scratch, sel.numel(), self.capacity
+        chunks = triton.cdiv(T, K.CHUNK)
+        j = torch.arange(K.CHUNK, device=self.device)
+        need = sc.counts[:chunks, int(K.C_NEED)].to(torch.int64)
+        start = sc.chunk_off[:chunks, int(K.O_MISS)]
+        rank = torch.where(j[None, :] < need[:, None], start[:, None] + j[None, :], T).flatten()
+        order = torch.full((T + 1,), -1, dtype=torch.int64, device=self.device)
+        order.scatter_(0, rank, sc.miss_pos[: chunks * K.CHUNK].to(torch.int64))  # slot T: a dump
+        order = order[:T]
+        missed = torch.where(order >= 0, sel[order.clamp(min=0)], N)  # N: the zero row
+        self._launches += len(layers)
+        return torch.stack(
+            [
+                gather_mod.gather(
+                    missed,
+                    self._history_map,
+                    0,
+                    K.as_words(self._rows[layer]),
+                    K.as_words(self._history[layer]),
+                )
+                for layer in layers
+            ],
+            dim=1,
+        )
+
+    def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows`` in the CPU history at once (the eager backup; counted in ``bytes_out``)
+        and refresh any buffered GPU copy. ``-1`` addresses are padding rows."""
+        self._check_layer(layer)
+        self._need_data("write")
+        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError("write: addrs must be an int32 or int64 tensor")
+        if addrs.dim() != 1:
+            raise InvalidInputError(f"write: addrs must be 1-D, got shape {tuple(addrs.shape)}")
+        W = self.config.entry.bytes_per_layer
+        shaped = isinstance(rows, torch.Tensor) and rows.shape == (addrs.numel(), W)
+        if not shaped or rows.dtype != torch.uint8:
+            raise InvalidInputError(f"write: rows must be uint8 [{addrs.numel()}, {W}]")
+        self._check_device("write: addrs", addrs)
+        self._check_device("write: rows", rows)
+        flat = addrs.to(torch.int64)
+        self._check_live("write", flat, padding=True, unique=True)
+        N, Q = self.capacity, self.config.layout.slots_per_request
+        valid = flat >= 0
+        history = self._history[layer]
+        at = torch.where(valid, flat, N)  # padding rows land on the zero row's place, never read
+        history.index_copy_(0, at.to(history.device), rows.to(history.device))
+        self._bytes_backed_up += int(valid.sum()) * W
+        g = self.config.group_of(layer)
+        owner = torch.where(valid, self._request_of[flat.clamp(min=0)], -1)
+        dummy = self._rows.shape[1] - 1
+        for r in self._seqs:
+            held = self._buffers[r].state.mapping[g, flat.clamp(min=0)]
+            cached = (owner == r) & (held >= 0) & (held < Q)
+            self._rows[layer].index_copy_(0, torch.where(cached, r * (Q + 1) + held.long(), dummy), rows)
+        self._after_call()
+
+    # -- slow paths ------------------------------------------------------------------------------
+    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
+        """The bytes of ``addrs`` in ``layer``: the CPU history always holds the latest."""
+        self._check_layer(layer)
+        self._need_data("read")
+        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
+        flat = addrs.reshape(-1).to(torch.int64).to(self.device)
+        self._check_live("read", flat)
+        return self._history[layer][flat.to(self._history.device)].to(self.device)
+
+    def stats(self) -> dict[str, int]:
+        """Counters summed over the request buffers; ``bytes_out`` is the eager backup of writes.
+        Every live address has a CPU row in every group; buffered rows are copies of them."""
+        totals = torch.stack([b.state.stats for b in self._buffers]).sum(0).tolist()
+        counters = dict(zip(K.STAT_NAMES, totals, strict=False))
+        groups = self.num_groups
+        buffered = sum(
+            groups * b.state.gpu_slots - int(b.state.gctl[:, int(K.G_GPU_FREE)].sum()) for b in self._buffers
+        )
+        live = self.capacity - self.free_addresses
+        return {
+            "live_addresses": live,
+            "distinct_entries": groups * live,
+            "physical_slots_used": groups * live + buffered,
+            "gpu_slots_used": buffered,
+            "cpu_slots_used": groups * live,
+            **counters,
+            "bytes_out": counters["bytes_out"] + self._bytes_backed_up,
+            "launches": self._launches,
+        }
+
+    def check(self) -> None:
+        """Nothing is deferred: the baseline validates every call on the host."""
+
+    def check_invariants(self) -> None:
+        """Each buffer's invariants over its own request's addresses (an idle buffer: none)."""
+        for r, layout in enumerate(self._buffers):
+            seq = self._seqs.get(r)
+            check_invariants(layout.state, _OnlyLive(self.capacity, seq._runs if seq else []))
+        free = torch.zeros(self.capacity, dtype=torch.bool)
+        for run in self._allocator.free_runs():
+            free[run.start : run.stop] = True
+        if bool(((self._request_of.cpu() >= 0) == free).any()):
+            raise InvariantError("an address's request disagrees with the allocator")
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _after_call(self) -> None:
+        if self._debug:
+            self.check_invariants()
+
+    def _need_data(self, what: str) -> None:
+        if self.device.type == "meta":
+            raise UlakvError(f"{what}: a pool on the meta device plans capacity and holds no data")
+
+    def _check_group(self, group: int) -> None:
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
+            raise InvalidInputError(f"group must be an int in [0, {self.num_groups}), got {group!r}")
+
+    def _check_layer(self, layer: int) -> None:
+        n = self.config.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise InvalidInputError(f"layer must be an int in [0, {n}), got {layer!r}")
+
+    def _check_device(self, what: str, t: torch.Tensor) -> None:
+        from ..pool import _same_device
+
+        if not _same_device(t, self.device):
+            raise InvalidInputError(f"{what} is on {t.device}, the pool on {self.device}")
+
+    def _check_seq(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence) or seq.pool_id != self._id:
+            raise InvalidAddressError("the sequence does not belong to this pool")
+        if seq.released:
+            raise InvalidAddressError(f"sequence {seq.seq_id} was already released")
+
+    def _check_live(self, what: str, flat: torch.Tensor, padding: bool = False, unique: bool = False) -> None:
+        N = self.capacity
+        out = (flat >= N) | (flat < (-1 if padding else 0))
+        dead = (flat >= 0) & ~out & (self._request_of[flat.clamp(0, N - 1)] < 0)
+        if bool((out | dead).any()):
+            offenders = flat[out | dead][:5].tolist()
+            raise InvalidAddressError(
+                f"{what}: addresses out of range [0, {N}) or not live: {offenders}; nothing changed"
+            )
+        if unique:
+            used = flat[flat >= 0].sort().values
+            if bool((used[1:] == used[:-1]).any()):
+                raise InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
