@@ -52,7 +52,9 @@ def addresses_on(runs: list[range], device: torch.device) -> torch.Tensor:
     """An int64 tensor of host-chosen addresses (given as runs) on ``device`` without stalling the
     host: to a GPU through pinned memory and an asynchronous copy (the pinned block is not reused
     before the copy is done: PyTorch's host allocator records the stream), so ``extend`` stays
-    sync-free."""
+    sync-free. On the meta device (capacity planning) only the shape exists."""
+    if device.type == "meta":
+        return torch.empty(count(runs), dtype=torch.int64, device=device)
     if runs:
         host = torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64) for r in runs])
     else:

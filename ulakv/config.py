@@ -134,7 +134,8 @@ class Striped:
     ``buffer_slots`` GPU rows on every rank hold recently selected entries (``policy`` decides
     which); the selections are the same on every rank, so every rank takes the same decisions and
     each home knows what to send. Admission capacity is ``world x inner.capacity``; a ``prepare``
-    may select at most ``max_selection`` distinct addresses a group.
+    may select at most ``max_selection`` distinct addresses a group, at most
+    ``inner.max_selection`` of them homed on one rank.
     """
 
     world: int
@@ -181,8 +182,9 @@ class Striped:
     @property
     def max_selection(self) -> int:
         """Most distinct addresses a ``prepare`` may select in a group: every one passes through
-        the buffer, and the locally homed ones through this rank's slice."""
-        return min(self.buffer_slots, self.inner.max_selection)
+        the buffer. Those homed on any one rank must also number at most ``inner.max_selection``
+        (its slice brings them to its GPU); every rank checks both before anything changes."""
+        return self.buffer_slots
 
 
 @dataclass(frozen=True)

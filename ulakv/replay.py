@@ -3,8 +3,12 @@
 Every request is admitted when it arrives, prefilled (all its tokens written in every layer), then
 decoded: each step it gains a token, the token's rows are written, and every layer group prepares
 that step's selection. Reported: hits, misses, hit rate, bytes moved per step, victim-search reads,
-and the Belady (OPT) hit rate of the same rounds at the same GPU capacity, the ceiling for any
-policy that must hold a round's whole selection at once.
+the Belady (OPT) hit rate of the same rounds at the same GPU capacity, the ceiling for any
+policy that must hold a round's whole selection at once, and distinct entries / physical slots at
+the step the pool held most (1.0 for an exclusive layout; 1/world replicated; below 1 with copies).
+
+Any layout replays through a real pool; ``Tiered`` and ``CPUOffloadBaseline`` also through plain
+models of their policies (``backend="model"``), which decide exactly what the kernels decide.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .config import PBLRU, EntrySpec, ExactLRU, LayoutConfig, PoolConfig, Tiered
+from .config import PBLRU, CPUOffloadBaseline, EntrySpec, ExactLRU, LayoutConfig, PoolConfig, Tiered
+from .errors import CapacityError
 from .policies import ExactLRUModel, PBLRUModel
 from .policies.exact_lru import distinct
 from .pool import Pool
@@ -38,6 +43,13 @@ class ReplayResult:
     victim_search_reads: int
     round_upkeep_reads: int
     pool_stats: dict = field(default_factory=dict, compare=False)  # the target's final counters
+    system: str = "ulakv"  # ulakv (tiered), cpu_offload, replicated, striped
+    peak_distinct_entries: int = 0  # at the step with the most physical slots in use
+    peak_physical_slots: int = 0
+
+    @property
+    def distinct_per_slot(self) -> float:
+        return self.peak_distinct_entries / self.peak_physical_slots if self.peak_physical_slots else 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -138,7 +150,7 @@ class _PoolTarget:
         self._write(new)
         return new.tolist()
 
-    def prepare(self, group: int, rows: list[list[int]]) -> None:
+    def prepare(self, group: int, rows: list[list[int]], keys: list[int]) -> None:
         self.pool.prepare(group, torch.tensor(rows, dtype=torch.int64, device=self.cfg.torch_device))
 
     def release(self, key: int) -> None:
@@ -146,6 +158,10 @@ class _PoolTarget:
 
     def counters(self) -> dict[str, int]:
         return self.pool.stats()
+
+    def occupancy(self) -> tuple[int, int]:
+        stats = self.pool.stats()
+        return stats["distinct_entries"], stats["physical_slots_used"]
 
 
 class _ModelTarget:
@@ -194,7 +210,7 @@ class _ModelTarget:
         self._write(new)
         return new
 
-    def prepare(self, group: int, rows: list[list[int]]) -> None:
+    def prepare(self, group: int, rows: list[list[int]], keys: list[int]) -> None:
         hits, misses, victims = self.models[group].prepare([a for row in rows for a in row])
         row_bytes = len(self.cfg.group_layers(group)) * self.cfg.entry.bytes_per_layer
         self.stats["hits"] += len(hits)
@@ -210,6 +226,89 @@ class _ModelTarget:
 
     def counters(self) -> dict[str, int]:
         return dict(self.stats)
+
+    def occupancy(self) -> tuple[int, int]:
+        homed = self.cfg.num_groups * sum(len(a) for a in self.addresses.values())
+        return homed, homed  # exclusive: one home each
+
+
+class _OffloadModelTarget:
+    """Replay target: the CPU-offload baseline as plain models, one exact LRU of
+    ``slots_per_request`` entries per request and group; every write is backed up to the CPU."""
+
+    def __init__(self, cfg: PoolConfig) -> None:
+        self.cfg = cfg
+        self.quota = cfg.layout.slots_per_request
+        self.models: dict[int, list[ExactLRUModel]] = {}
+        self.addresses: dict[int, list[int]] = {}
+        self.next_address = 0
+        self.stats = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "victims"), 0)
+        self.stats.update(victim_search_reads=-1, round_upkeep_reads=-1)
+
+    def _write(self, n: int) -> None:
+        self.stats["bytes_out"] += n * self.cfg.num_layers * self.cfg.entry.bytes_per_layer
+
+    def admit(self, key: int, n: int) -> list[int]:
+        if len(self.models) == self.cfg.layout.max_requests:
+            raise CapacityError("all per-request GPU buffers are in use")
+        self.models[key] = [ExactLRUModel(self.quota) for _ in range(self.cfg.num_groups)]
+        self.addresses[key] = list(range(self.next_address, self.next_address + n))
+        self.next_address += n
+        self._write(n)
+        return list(self.addresses[key])
+
+    def extend(self, keys: list[int]) -> list[int]:
+        new = []
+        for k in keys:
+            self.addresses[k].append(self.next_address)
+            new.append(self.next_address)
+            self.next_address += 1
+        self._write(len(new))
+        return new
+
+    def prepare(self, group: int, rows: list[list[int]], keys: list[int]) -> None:
+        row_bytes = len(self.cfg.group_layers(group)) * self.cfg.entry.bytes_per_layer
+        for key, row in zip(keys, rows, strict=True):
+            if len(distinct(row)) > self.quota:
+                raise CapacityError(f"a request selects more than its quota of {self.quota}")
+            hits, misses, victims = self.models[key][group].prepare(row)
+            self.stats["hits"] += len(hits)
+            self.stats["misses"] += len(misses)
+            self.stats["bytes_in"] += len(misses) * row_bytes
+            self.stats["victims"] += len(victims)
+
+    def release(self, key: int) -> None:
+        del self.models[key], self.addresses[key]
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.stats)
+
+    def occupancy(self) -> tuple[int, int]:
+        history = self.cfg.num_groups * sum(len(a) for a in self.addresses.values())
+        copies = sum(len(m.order) for models in self.models.values() for m in models)
+        return history, history + copies
+
+
+def _target(cfg: PoolConfig, backend: str):
+    if backend == "pool":
+        return _PoolTarget(cfg)
+    if isinstance(cfg.layout, CPUOffloadBaseline):
+        return _OffloadModelTarget(cfg)
+    if isinstance(cfg.layout, Tiered):
+        return _ModelTarget(cfg)
+    raise ValueError("the model backend replays Tiered and CPUOffloadBaseline layouts; use backend='pool'")
+
+
+def system_name(layout: LayoutConfig | None) -> str:
+    from .config import Replicated, Striped
+
+    if isinstance(layout, CPUOffloadBaseline):
+        return "cpu_offload"
+    if isinstance(layout, Replicated):
+        return "replicated"
+    if isinstance(layout, Striped):
+        return "striped"
+    return "ulakv"
 
 
 def replay(
@@ -227,13 +326,11 @@ def replay(
     """Run ``trace`` with ``gpu_slots`` GPU slots per group and ``policy``; the CPU tier holds
     everything, so capacity never binds. ``backend="pool"`` runs a real pool (its kernels);
     ``"model"`` runs the policies' plain models, which decide the same (word counts excepted).
-    ``layout`` replaces the tiered layout (pool backend only): a ``Striped`` rank, for instance,
-    whose buffer of ``gpu_slots`` is what the hits, misses and Belady figures describe;
+    ``layout`` replaces the tiered layout: a ``Striped`` rank, for instance, whose buffer of
+    ``gpu_slots`` is what the hits, misses and Belady figures describe, or a baseline;
     ``ReplayResult.pool_stats`` keeps the pool's own counters."""
     groups = trace.groups
     total_tokens = sum(r.prompt_len + r.steps for r in trace.requests)
-    if layout is not None and backend != "pool":
-        raise ValueError("a replacement layout replays through a real pool (backend='pool')")
     cfg = PoolConfig(
         entry=EntrySpec(bytes_per_layer=bytes_per_layer),
         num_layers=groups * layers_per_group,
@@ -244,7 +341,8 @@ def replay(
     )
     if backend not in ("pool", "model"):
         raise ValueError(f"backend must be 'pool' or 'model', got {backend!r}")
-    target = _PoolTarget(cfg) if backend == "pool" else _ModelTarget(cfg)
+    target = _target(cfg, backend)
+    peak = (0, 0)
     addresses: dict[int, list[int]] = {}
     events: list[list[tuple[str, list[int]]]] = [[] for _ in range(groups)]
     prepares = 0
@@ -272,9 +370,12 @@ def replay(
                 rows.append(
                     [own[p] if p >= 0 else -1 for p in trace.requests[i].topk[s, g].flatten().tolist()]
                 )
-            target.prepare(g, rows)
+            target.prepare(g, rows, [i for i, _ in active])
             prepares += 1
             events[g].append(("select", [a for row in rows for a in distinct(row)]))
+        held = target.occupancy()
+        if held[1] > peak[1]:
+            peak = held
         for i, s in active:
             if s == trace.requests[i].steps - 1:
                 target.release(i)
@@ -304,4 +405,7 @@ def replay(
         victim_search_reads=stats["victim_search_reads"],
         round_upkeep_reads=stats["round_upkeep_reads"],
         pool_stats=dict(stats),
+        system=system_name(layout),
+        peak_distinct_entries=peak[0],
+        peak_physical_slots=peak[1],
     )

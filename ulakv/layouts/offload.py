@@ -7,10 +7,11 @@
   the row in from the CPU, a victim is dropped (its CPU row is still there). GPU rows are copies,
   so distinct entries / physical slots stays below 1, and an idle request's quota cannot be lent.
 
-Selections are split by request: every request present in a ``prepare`` runs its own buffer's
-plan and apply (3 launches) plus one gather per layer of its misses' rows from the CPU. The
-baseline validates on the host every call (a sync) and copies a write's rows to host memory at
-once; it is a comparison point for capacity, hit rate and bytes moved, not for launch counts.
+Selections are split by request on the host: every request present in a ``prepare`` runs its own
+buffer's plan and apply (3 launches) on its own elements, plus one gather per layer of its misses'
+rows from the CPU. The baseline reads back on the host every call (validation, the split, the miss
+order) and copies a write's rows to host memory at once; it is a comparison point for capacity,
+hit rate and bytes moved, not for launch counts or host syncs.
 
 Left out on purpose: HiSparse also places a new token in its request's GPU buffer when it is
 written; here a new token enters the buffer when first selected (one extra fetch per selected new
@@ -200,28 +201,25 @@ class OffloadPool:
         for r, n in enumerate(per_request):
             if n == 0:
                 continue  # not scheduled this step: its LRU does not tick
-            sel = torch.where(owner == r, flat, -1)
+            at = torch.nonzero(owner == r).flatten()  # this request's elements, in order
             layout = self._buffers[r]
-            plan, launches = layout.plan(group, sel)
+            plan, launches = layout.plan(group, flat[at])
             self._launches += launches
-            self._launches += layout.execute(plan, fetched=self._fetch(plan, sel, layers))
-            slots = torch.where(sel >= 0, plan.slots + r * (Q + 1), slots)
+            self._launches += layout.execute(plan, fetched=self._fetch(plan, layers))
+            slots[at] = plan.slots + r * (Q + 1)
         self._after_call()
         return Selection(group, slots.view(topk.shape))
 
-    def _fetch(self, plan, sel: torch.Tensor, layers: range) -> torch.Tensor:
+    def _fetch(self, plan, layers: range) -> torch.Tensor:  # a read-back: the baseline syncs
         """The rows of ``plan``'s misses from the CPU history, every layer of the group, in the
-        buffer's miss order (words ``[misses, layers, W]``); no host sync."""
-        sc, T, N = plan.scratch, sel.numel(), self.capacity
+        buffer's miss order (words ``[misses, layers, W]``)."""
+        sc, T = plan.scratch, plan.addresses.numel()
         chunks = triton.cdiv(T, K.CHUNK)
-        j = torch.arange(K.CHUNK, device=self.device)
-        need = sc.counts[:chunks, int(K.C_NEED)].to(torch.int64)
-        start = sc.chunk_off[:chunks, int(K.O_MISS)]
-        rank = torch.where(j[None, :] < need[:, None], start[:, None] + j[None, :], T).flatten()
-        order = torch.full((T + 1,), -1, dtype=torch.int64, device=self.device)
-        order.scatter_(0, rank, sc.miss_pos[: chunks * K.CHUNK].to(torch.int64))  # slot T: a dump
-        order = order[:T]
-        missed = torch.where(order >= 0, sel[order.clamp(min=0)], N)  # N: the zero row
+        need = sc.counts[:chunks, int(K.C_NEED)].tolist()
+        order = torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(need)]).long()
+        if order.numel() == 0:
+            return sc.victims  # nothing to fetch; the kernel needs some tensor (as a striped rank's)
+        missed = plan.addresses[order]
         self._launches += len(layers)
         return torch.stack(
             [

@@ -52,13 +52,15 @@ class StripedPool:
         from ..pool import Pool
 
         lay: Striped = config.layout
-        if not dist.is_available() or not dist.is_initialized():
-            raise UlakvError("a Striped pool needs torch.distributed initialised first")
-        if dist.get_world_size() != lay.world or dist.get_rank() != lay.rank:
-            raise UlakvError(
-                f"Striped(world={lay.world}, rank={lay.rank}) but torch.distributed has world "
-                f"{dist.get_world_size()}, rank {dist.get_rank()}"
-            )
+        # On the meta device (a capacity plan: no data, no collectives) no process group is needed.
+        if config.torch_device.type != "meta":
+            if not dist.is_available() or not dist.is_initialized():
+                raise UlakvError("a Striped pool needs torch.distributed initialised first")
+            if dist.get_world_size() != lay.world or dist.get_rank() != lay.rank:
+                raise UlakvError(
+                    f"Striped(world={lay.world}, rank={lay.rank}) but torch.distributed has world "
+                    f"{dist.get_world_size()}, rank {dist.get_rank()}"
+                )
         self.config = config
         self.device = config.torch_device
         self.world, self.rank = lay.world, lay.rank
@@ -183,6 +185,7 @@ class StripedPool:
         if T == 0:
             return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
         layers = self.config.group_layers(group)
+        self._check_per_home(flat)
         plan, _ = self._buffer_layout.plan(group, flat)
         status = int(self._buffer.ctl[int(K.E_LAST_STATUS)])
         if status:
@@ -191,7 +194,7 @@ class StripedPool:
             if status & int(K.ST_TOO_LARGE):
                 raise CapacityError(
                     f"prepare: more distinct addresses than the {self.config.layout.max_selection} a "
-                    "striped prepare may select (buffer_slots, or the inner slice's limit); nothing changed"
+                    "striped prepare may select (buffer_slots); nothing changed"
                 )
             raise InvalidAddressError("prepare: addresses out of range or not live; nothing changed")
         try:
@@ -201,6 +204,23 @@ class StripedPool:
             # step: nothing further on this pool can be trusted.
             self._broken = f"{type(exc).__name__}: {exc}"
             raise
+
+    def _check_per_home(self, flat: torch.Tensor) -> None:
+        """Refuse, on every rank alike, a selection with more distinct addresses homed on one rank
+        than that rank's slice may bring to its GPU in one prepare (one small read-back)."""
+        used = flat[flat >= 0].sort().values
+        if used.numel() == 0:
+            return
+        first = torch.ones_like(used, dtype=torch.bool)
+        first[1:] = used[1:] != used[:-1]
+        per_home = torch.bincount(used[first] % self.world, minlength=self.world)
+        limit = self.config.layout.inner.max_selection
+        worst = int(per_home.max())
+        if worst > limit:
+            raise CapacityError(
+                f"prepare: {worst} distinct addresses homed on rank {int(per_home.argmax())}, more than the "
+                f"{limit} its slice may bring in at once (inner max_selection); nothing changed"
+            )
 
     def _fetch_and_apply(self, group, topk, flat, plan, layers):
         from ..pool import Selection

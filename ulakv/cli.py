@@ -1,0 +1,323 @@
+"""The ``ulakv`` command: ``plan`` (admitted requests per system), ``replay`` (a trace through every
+policy and layout), ``demo`` (the main job: three systems side by side)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+
+from .plan import HARDWARE, MODELS, SYSTEMS, Scenario, default_selection_shape, plan
+
+# -- ulakv plan ---------------------------------------------------------------------------------
+
+
+def _choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    picked = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in picked if t not in allowed]
+    if bad or not picked:
+        raise argparse.ArgumentTypeError(f"{what}: pick from {', '.join(allowed)} (comma-separated)")
+    return picked
+
+
+def _gb(n: float) -> str:
+    return f"{n:7.1f}"
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    gpus = _choices(args.gpu, list(HARDWARE), "--gpu")
+    modes = [m.upper() for m in _choices(args.mode.upper(), ["TP", "DP"], "--mode")]
+    specs = [s == "on" for s in _choices(args.spec, ["on", "off"], "--spec")]
+    shapes = {spec: default_selection_shape(spec, args.world) for spec in set(specs)}
+    plans = []
+    for gpu in gpus:
+        for mode in modes:
+            for spec in specs:
+                scenario = Scenario(
+                    MODELS[args.model],
+                    HARDWARE[gpu],
+                    mode,
+                    spec,
+                    world=args.world,
+                    mem_fraction_static=args.mem_fraction,
+                    slots_per_request=args.quota,
+                    shape=shapes[spec],
+                )
+                plans.append(plan(scenario))
+    rows = [row for p in plans for row in p.rows(explain=args.explain)]
+    if args.plot:
+        from .plots import admitted_bars
+
+        title = f"{MODELS[args.model].name}: requests of 64K-128K tokens admitted at once, equal memory"
+        admitted_bars(rows, args.plot, title)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if args.explain:
+        print("Assumptions (value, source):")
+        for what, value, source in plans[0].scenario.assumptions():
+            print(f"  {what:28s} {value:40s} {source}")
+        print()
+    header = f"{'config':22s} " + " ".join(f"{s:>12s}" for s in SYSTEMS) + "   ulakv / best baseline"
+    print(header)
+    for p in plans:
+        sc = p.scenario
+        name = f"{sc.hardware.name} {sc.mode} spec {'on' if sc.spec else 'off'}"
+        n = {s: p.systems[s].admitted for s in SYSTEMS if s in p.systems}
+        best = max(n["gpu_only"], n["cpu_offload"])
+        ratio = f"{n['ulakv'] / best:.2f}x" if best else "inf"
+        print(f"{name:22s} " + " ".join(f"{n[s]:12d}" for s in n) + f"   {ratio:>10s}")
+        if args.explain:
+            _explain(p)
+    return 0
+
+
+def _explain(p) -> None:
+    """Bytes per GPU behind each number (GB)."""
+    sc = p.scenario
+    print(
+        f"    per GPU: {sc.hardware.hbm_bytes / 1e9:.0f} GB x static fraction {sc.mem_fraction_static} "
+        f"- weights {sc.weights_per_gpu() / 1e9:.1f} GB = {sc.kv_budget() / 1e9:.1f} GB for KV; "
+        f"CPU {sc.hardware.cpu_bytes / 1e9:.0f} GB"
+    )
+    print(f"    {'system':12s} {'KV rows':>8s} {'index':>8s} {'meta':>8s} {'CPU rows':>8s}  limit; pools")
+    for name, s in p.systems.items():
+        b = s.bytes_per_gpu
+        ranks = ""
+        if len(s.per_rank) > 1:
+            ranks = f" ({len(s.per_rank)} ranks: {min(s.per_rank)}-{max(s.per_rank)} each)"
+        print(
+            f"    {name:12s} {_gb(b.gpu_rows / 1e9)} {_gb(b.gpu_index / 1e9)} {_gb(b.gpu_meta / 1e9)} "
+            f"{_gb(b.cpu_rows / 1e9)}  {s.limit}{ranks}"
+        )
+        for pool in s.pools:
+            print(f"    {'':12s} {pool}")
+
+
+# -- ulakv replay -------------------------------------------------------------------------------
+
+
+def _load_trace(args: argparse.Namespace):
+    import torch
+
+    from .traces import SyntheticSpec, Trace, synthetic
+
+    if args.trace:
+        return Trace.load(args.trace), f"trace {args.trace}"
+    if args.sglang:
+        dumps = torch.load(args.sglang, weights_only=True)
+        return Trace.from_sglang(list(dumps)), f"SGLang indexer_topk {args.sglang}"
+    spec = SyntheticSpec(
+        requests=args.requests,
+        prompt=(args.prompt[0], args.prompt[1]),
+        steps=args.steps,
+        topk=args.topk,
+        queries=args.queries,
+        groups=args.groups,
+        seed=args.seed,
+    )
+    return synthetic(spec), (
+        f"synthetic: {spec.requests} requests, prompts {spec.prompt[0]}-{spec.prompt[1]}, {spec.steps} "
+        f"steps, top-{spec.topk}, {spec.queries} query positions, {spec.groups} groups, seed {spec.seed}"
+    )
+
+
+def _concurrency(trace) -> tuple[int, int]:
+    """Most requests alive at once, and the most distinct positions one request selects in a
+    group-step (what a per-request quota must hold)."""
+    alive = max(
+        sum(1 for r in trace.requests if r.arrival <= step < r.arrival + r.steps)
+        for step in range(trace.horizon)
+    )
+    largest = 0
+    for r in trace.requests:
+        for step in range(r.steps):
+            for g in range(r.topk.shape[1]):
+                picks = r.topk[step, g].flatten()
+                largest = max(largest, int(picks[picks >= 0].unique().numel()))
+    return alive, largest
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from .config import PBLRU, CPUOffloadBaseline, ExactLRU, Replicated, Tiered
+    from .replay import replay
+
+    trace, described = _load_trace(args)
+    working = trace.working_set()
+    alive, per_request = _concurrency(trace)
+    total = sum(r.prompt_len + r.steps for r in trace.requests)
+    capacities = [float(c) for c in args.capacities.split(",")]
+    policies = [ExactLRU(), PBLRU(args.buckets)]
+
+    runs = []  # (x, gpu_slots, label, policy, layout or None, backend)
+    for x in capacities:
+        slots = max(1, math.ceil(x * working))
+        for policy in policies:
+            runs.append((x, slots, f"ulakv, {_policy(policy)}", policy, None, args.backend))
+        quota = slots // alive
+        offload = (
+            CPUOffloadBaseline(cpu_slots=total, slots_per_request=quota, max_requests=alive)
+            if quota >= per_request
+            else None
+        )
+        runs.append((x, slots, "CPU offload, per-request LRU", ExactLRU(), offload, args.backend))
+    # Occupancy from real pools (Triton kernels) at one capacity: distinct entries / physical slots.
+    x_mid = capacities[len(capacities) // 2]
+    mid = max(1, math.ceil(x_mid * working))
+    quota = mid // alive
+    occupancy_runs = [
+        ("ulakv (Tiered)", Tiered(gpu_slots=mid, cpu_slots=total, policy=PBLRU(args.buckets))),
+        (f"Replicated (world {args.world})", Replicated(world=args.world, gpu_slots=total)),
+    ]
+    if quota >= per_request:
+        occupancy_runs.append(
+            ("CPU offload", CPUOffloadBaseline(cpu_slots=total, slots_per_request=quota, max_requests=alive))
+        )
+
+    bar = _progress(args, (len(runs) + len(occupancy_runs)) * trace.horizon)
+    rows = []
+    for x, slots, label, policy, layout, backend in runs:
+        if label.startswith("CPU") and layout is None:
+            bar.update(trace.horizon)
+            rows.append(_row(x, slots, label, None))
+            continue
+        result = replay(trace, policy, slots, layout=layout, backend=backend, on_step=lambda _: bar.update(1))
+        rows.append(_row(x, slots, label, result))
+    occupancy = []
+    for label, layout in occupancy_runs:
+        result = replay(trace, ExactLRU(), mid, layout=layout, on_step=lambda _: bar.update(1))
+        occupancy.append(
+            {
+                "layout": label,
+                "distinct_entries": result.peak_distinct_entries,
+                "physical_slots": result.peak_physical_slots,
+                "distinct_per_slot": round(result.distinct_per_slot, 4),
+                "hit_rate": result.hit_rate,
+            }
+        )
+    bar.close()
+
+    if args.plot:
+        from .plots import hit_rate_curves
+
+        hit_rate_curves(rows, args.plot, f"hit rate vs GPU capacity ({described.split(':')[0]})")
+    if args.json:
+        print(json.dumps({"trace": described, "rows": rows, "occupancy": occupancy}, indent=1))
+        return 0
+    print(described)
+    print(
+        f"one step's working set: {working} distinct positions a group; {alive} requests at most at once; "
+        f"CPU-offload quota = GPU slots / {alive} (needs >= {per_request})"
+    )
+    print(f"{'x ws':>5s} {'slots':>6s}  {'system':30s} {'hit rate':>8s} {'Belady':>7s} {'MB in/step':>10s} "
+          f"{'MB out/step':>11s}")  # fmt: skip
+    for r in rows:
+        hit = f"{100 * r['hit_rate']:7.2f}%" if r["hit_rate"] is not None else "  no fit"
+        belady = f"{100 * r['belady_hit_rate']:6.2f}%" if r["belady_hit_rate"] is not None else ""
+        mb_in = f"{r['bytes_in_per_step'] / 1e6:10.3f}" if r["hit_rate"] is not None else ""
+        mb_out = f"{r['bytes_out_per_step'] / 1e6:11.3f}" if r["hit_rate"] is not None else ""
+        print(f"{r['x']:5.2f} {r['gpu_slots']:6d}  {r['label']:30s} {hit:>8s} {belady:>7s} {mb_in} {mb_out}")
+    print(f"\nreal pools at {x_mid} x working set, at the step they held most:")
+    print(f"  {'layout':24s} {'distinct':>9s} {'physical':>9s} {'distinct/physical':>18s}")
+    for o in occupancy:
+        print(
+            f"  {o['layout']:24s} {o['distinct_entries']:9d} {o['physical_slots']:9d} "
+            f"{o['distinct_per_slot']:18.4f}"
+        )
+    return 0
+
+
+def _policy(policy) -> str:
+    from .replay import policy_name
+
+    return policy_name(policy)
+
+
+def _row(x: float, slots: int, label: str, result) -> dict:
+    return {
+        "x": x,
+        "gpu_slots": slots,
+        "label": label,
+        "hit_rate": result.hit_rate if result else None,
+        "belady_hit_rate": result.belady_hit_rate if result else None,
+        "bytes_in_per_step": result.bytes_in_per_step if result else None,
+        "bytes_out_per_step": result.bytes_out_per_step if result else None,
+    }
+
+
+def _progress(args: argparse.Namespace, total: int):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, unit="step", desc="replay", disable=args.no_progress, file=sys.stderr, leave=False
+    )
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ulakv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="requests each system admits, from real pools on the meta device")
+    p.add_argument("--model", choices=sorted(MODELS), default="glm-5.3")
+    p.add_argument("--gpu", default="h200,b300", help="h200,b300")
+    p.add_argument("--mode", default="TP,DP", help="TP,DP")
+    p.add_argument("--spec", default="on,off", help="speculative decoding: on,off")
+    p.add_argument("--world", type=int, default=8, help="GPUs (default 8)")
+    p.add_argument("--mem-fraction", type=float, default=0.88, help="the engine's static memory fraction")
+    p.add_argument("--quota", type=int, default=4096, help="CPU-offload GPU entries a request and layer")
+    p.add_argument("--json", action="store_true", help='a list of {"gpu","mode","spec","system","admitted"}')
+    p.add_argument("--explain", action="store_true", help="assumptions with sources, bytes per GPU")
+    p.add_argument("--plot", metavar="FILE.png", help="admitted requests as grouped bars")
+    p.set_defaults(run=run_plan)
+
+    r = sub.add_parser("replay", help="a selection trace through every policy and layout")
+    r.add_argument("--trace", metavar="FILE", help="a trace saved by ulakv.traces.Trace.save")
+    r.add_argument("--sglang", metavar="FILE", help="torch.save'd list of SGLang indexer_topk tensors")
+    r.add_argument("--requests", type=int, default=6)
+    r.add_argument("--prompt", type=int, nargs=2, default=(600, 1200), metavar=("LO", "HI"))
+    r.add_argument("--steps", type=int, default=16)
+    r.add_argument("--topk", type=int, default=64)
+    r.add_argument("--queries", type=int, default=3)
+    r.add_argument("--groups", type=int, default=2)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument(
+        "--capacities", default="1,1.25,1.5,2,3,4", help="GPU slots as multiples of the working set"
+    )
+    r.add_argument("--buckets", type=int, default=8, help="PB-LRU ring size")
+    r.add_argument("--world", type=int, default=8, help="ranks of the Replicated layout")
+    r.add_argument(
+        "--backend",
+        choices=["model", "pool"],
+        default="model",
+        help="hit-rate curves from the policies' plain models (same decisions, fast) or the kernels",
+    )
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--plot", metavar="FILE.png", help="hit rate vs GPU capacity with the Belady bound")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(run=run_replay)
+
+    sub.add_parser("demo", help="the main job: three systems side by side (see `ulakv demo --help`)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        from . import demo
+
+        return demo.main(argv[1:]) or 0
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except argparse.ArgumentTypeError as exc:
+        print(f"ulakv: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
