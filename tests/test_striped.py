@@ -153,6 +153,39 @@ def test_a_write_refreshes_buffered_copies() -> None:
     assert all(top >= 0 for top in run_ranks(_overwrite_buffered, 2))
 
 
+def _per_home_bound(rank: int, world: int) -> int:
+    """A prepare may select more distinct addresses than one slice may bring in at once (up to the
+    buffer), as long as no home's share is larger; a skewed selection is refused on every rank and
+    changes nothing."""
+    inner = Tiered(gpu_slots=4, cpu_slots=16, staging_slots=4)  # a slice brings in at most 4 at once
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=WIDTH),
+            num_layers=1,
+            layout=Striped(world=world, rank=rank, buffer_slots=12, inner=inner),
+        )
+    )
+    seq = pool.admit(20)
+    rows = torch.stack([row_of(a, 0, 0) for a in seq._addresses])
+    pool.write(0, seq.addresses, rows)
+    spread = seq.addresses[:8].view(1, 8)  # 4 homed on each rank: 8 > 4 distinct, accepted
+    slots = pool.prepare(0, spread).slots.flatten()
+    assert torch.equal(pool.gpu_buffer(0)[slots.long()], rows[:8])
+    skewed = seq.addresses[0:10:2].view(1, 5)  # 5 homed on rank 0
+    before = pool.stats()
+    with pytest.raises(CapacityError, match="homed on rank 0"):
+        pool.prepare(0, skewed)
+    assert pool.stats() == before
+    slots = pool.prepare(0, seq.addresses[8:16].view(1, 8)).slots.flatten()
+    assert torch.equal(pool.gpu_buffer(0)[slots.long()], rows[8:16])
+    pool.check_invariants()
+    return int(slots.numel())
+
+
+def test_each_home_share_is_bounded_not_the_whole_selection() -> None:
+    assert run_ranks(_per_home_bound, 2) == [8, 8]
+
+
 def _one_rank_stalls(rank: int, world: int) -> float | None:
     """Rank 1 never joins the fetch; rank 0 must get a clear error within its timeout."""
     pool = Pool(

@@ -1,0 +1,87 @@
+"""The ulakv command: plan's explanations and figure, replay's table, JSON and figure, and the
+occupancy of real pools after a replay (ulakv 1.0, Replicated 1/world, CPU offload below 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ulakv.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+TINY = ["--requests", "3", "--prompt", "60", "90", "--steps", "4", "--topk", "16", "--groups", "1"]
+
+
+def test_plan_explains_its_assumptions_and_bytes(capsys, tmp_path) -> None:
+    figure = tmp_path / "admitted.png"
+    assert (
+        main(["plan", "--gpu", "h200", "--mode", "DP", "--spec", "on", "--explain", "--plot", str(figure)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    for needle in (
+        "Assumptions",
+        "published setting",
+        "mem_fraction_static",
+        "KV rows",
+        "staging_slots",
+        "H200 DP",
+    ):
+        assert needle in out
+    assert figure.read_bytes().startswith(PNG)
+
+
+def test_plan_refuses_unknown_choices(capsys) -> None:
+    assert main(["plan", "--gpu", "a100"]) == 2
+    assert "pick from" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory) -> tuple[dict, bytes]:
+    import contextlib
+    import io
+
+    figure = tmp_path_factory.mktemp("replay") / "hit_rate.png"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        args = [
+            "replay",
+            *TINY,
+            "--capacities",
+            "1,2",
+            "--world",
+            "4",
+            "--json",
+            "--no-progress",
+            "--plot",
+            str(figure),
+        ]
+        assert main(args) == 0
+    return json.loads(out.getvalue()), figure.read_bytes()
+
+
+def test_replay_reports_every_policy_and_layout(replayed) -> None:
+    data, figure = replayed
+    labels = {r["label"] for r in data["rows"]}
+    assert labels == {"ulakv, exact_lru", "ulakv, pblru(8)", "CPU offload, per-request LRU"}
+    for r in data["rows"]:
+        if r["hit_rate"] is not None:
+            assert 0 <= r["hit_rate"] <= r["belady_hit_rate"] <= 1
+    assert figure.startswith(PNG)
+
+
+def test_replay_occupancy_from_real_pools(replayed) -> None:
+    data, _ = replayed
+    by = {o["layout"]: o for o in data["occupancy"]}
+    assert by["ulakv (Tiered)"]["distinct_per_slot"] == 1.0
+    assert by["Replicated (world 4)"]["distinct_per_slot"] == 0.25
+    offload = by["CPU offload"]
+    assert 0 < offload["distinct_per_slot"] < 1
+    assert offload["distinct_entries"] == by["ulakv (Tiered)"]["distinct_entries"]
+
+
+def test_replay_prints_a_table(capsys) -> None:
+    assert main(["replay", *TINY, "--capacities", "1.5", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "Belady" in out and "distinct/physical" in out and "MB in/step" in out

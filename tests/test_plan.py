@@ -1,0 +1,149 @@
+"""The capacity planner: real pools on the meta device, budgets respected, counts that agree with
+an independent count of the same requests, and the published shape of the comparison."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+
+from ulakv.cli import main
+from ulakv.plan import (
+    GB,
+    HARDWARE,
+    MODELS,
+    Scenario,
+    SelectionShape,
+    Workload,
+    _largest,
+    plan,
+    published_scenarios,
+)
+
+# A fixed working-set shape keeps these tests independent of the trace generator.
+SHAPE = {
+    True: SelectionShape(union=1.18, home_share=0.15, source="test"),
+    False: SelectionShape(union=1.0, home_share=0.15, source="test"),
+}
+
+
+@pytest.fixture(scope="module")
+def published() -> list[dict]:
+    """``ulakv plan --json --explain`` for the 8 published configurations (one run, shared)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--json", "--explain"]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_json_lists_every_configuration_and_system(published) -> None:
+    keys = {(r["gpu"], r["mode"], r["spec"], r["system"]) for r in published}
+    expected = set(
+        itertools.product(["H200", "B300"], ["TP", "DP"], [True, False], ["gpu_only", "cpu_offload", "ulakv"])
+    )
+    assert keys == expected and len(published) == 24
+    assert all(isinstance(r["admitted"], int) and r["admitted"] > 0 for r in published)
+
+
+def test_ulakv_admits_at_least_as_many_as_both_baselines(published) -> None:
+    by = {(r["gpu"], r["mode"], r["spec"], r["system"]): r["admitted"] for r in published}
+    for gpu, mode, spec in itertools.product(["H200", "B300"], ["TP", "DP"], [True, False]):
+        ulakv = by[(gpu, mode, spec, "ulakv")]
+        assert ulakv >= by[(gpu, mode, spec, "gpu_only")], (gpu, mode, spec)
+        assert ulakv >= by[(gpu, mode, spec, "cpu_offload")], (gpu, mode, spec)
+
+
+def test_the_published_shape(published) -> None:
+    """Published (GLM-5.3, speculation on): H200 DP gains about a tenth over the CPU-offload
+    baseline, B300 DP nearly doubles, TP gains most (B300 TP almost 10x)."""
+    by = {(r["gpu"], r["mode"], r["system"]): r["admitted"] for r in published if r["spec"]}
+    ratio = {
+        (g, m): by[(g, m, "ulakv")] / by[(g, m, "cpu_offload")]
+        for g in ("H200", "B300")
+        for m in ("TP", "DP")
+    }
+    assert 1.0 < ratio[("H200", "DP")] < 1.3
+    assert 1.4 < ratio[("B300", "DP")] < 2.3
+    assert 6 < ratio[("B300", "TP")] < 16
+    assert ratio[("H200", "TP")] > 3 * ratio[("H200", "DP")]  # the copies removed under TP
+
+
+def test_every_number_fits_its_budgets(published) -> None:
+    for r in published:
+        b = r["breakdown"]
+        gpu = b["kv_rows_gb"] + b["index_keys_gb"] + b["metadata_gb"]
+        assert gpu <= b["kv_budget_gb"] + 1e-3, r
+        assert b["cpu_rows_gb"] <= b["cpu_budget_gb"] + 1e-3, r
+        assert r["pools"] and r["limit"]
+    # ulakv pays for its mapping tables and policy state; the baselines are charged rows only.
+    assert all(r["breakdown"]["metadata_gb"] > 0 for r in published if r["system"] == "ulakv")
+
+
+def test_gpu_only_tp_matches_an_independent_count() -> None:
+    """Replicated KV: every rank holds every request, so the count is how many of the stream's
+    requests fit one GPU's KV budget, whatever the world size."""
+    sc = Scenario(MODELS["glm-5.3"], HARDWARE["h200"], "TP", True, shape=SHAPE[True])
+    got = plan(sc, systems=("gpu_only",)).systems["gpu_only"].admitted
+    per_token = sc.model.kv_layers(True) * 656 + sc.model.index_layers(True) * 132
+    slots = sc.kv_budget() // per_token
+    lengths = Workload().lengths(0, 100)
+    fits = next(n for n in range(101) if sum(lengths[: n + 1]) > slots)
+    assert got == fits
+
+
+def test_cpu_offload_is_bounded_by_its_full_cpu_copy() -> None:
+    """HiSparse keeps every token on the CPU: with GPU to spare, the CPU budget decides."""
+    sc = Scenario(MODELS["glm-5.3"], HARDWARE["b300"], "DP", False, shape=SHAPE[False])
+    p = plan(sc, systems=("cpu_offload",)).systems["cpu_offload"]
+    history = sc.hardware.cpu_bytes // (sc.model.kv_layers(False) * 656) - 1
+    expected = 0
+    for rank in range(sc.world):
+        lengths = Workload().lengths(rank, 200)
+        expected += next(n for n in range(201) if sum(lengths[: n + 1]) > history)
+    assert p.admitted == expected and "CPU" in p.limit
+
+
+def test_staging_rows_and_buffers_are_counted() -> None:
+    """ulakv's CPU rows include the staging rows a step's swaps need; the striped buffer holds one
+    step's union of every request's selections."""
+    sc = Scenario(MODELS["glm-5.3"], HARDWARE["h200"], "TP", True, shape=SHAPE[True])
+    p = plan(sc, systems=("ulakv",)).systems["ulakv"]
+    n = p.admitted
+    union = -(-int(1.18 * 2048 * 1000) // 1000)
+    assert f"buffer_slots={n * union}" in p.pools[0]
+    assert "staging_slots=" in p.pools[0]
+    assert p.bytes_per_gpu.cpu_rows <= sc.hardware.cpu_bytes
+
+
+def test_dp_attention_replicates_the_attention_weights() -> None:
+    tp = Scenario(MODELS["glm-5"], HARDWARE["h200"], "TP", False)
+    dp = Scenario(MODELS["glm-5"], HARDWARE["h200"], "DP", False)
+    attention = MODELS["glm-5"].attention_weights(False)
+    assert 10 * GB < attention < 20 * GB  # 78 layers of MLA + indexer projections in FP8
+    assert dp.weights_per_gpu() - tp.weights_per_gpu() == pytest.approx(attention * 7 / 8, rel=1e-3)
+
+
+@pytest.mark.parametrize("model", ["glm-5", "deepseek-v3.2"])
+def test_other_presets_plan(model) -> None:
+    sc = Scenario(MODELS[model], HARDWARE["b300"], "TP", False, shape=SHAPE[False])
+    p = plan(sc)
+    n = {k: v.admitted for k, v in p.systems.items()}
+    assert n["ulakv"] >= n["cpu_offload"] >= 1 and n["ulakv"] >= n["gpu_only"] >= 1
+
+
+def test_largest_finds_the_edge() -> None:
+    for edge in (0, 1, 2, 7, 64, 1000):
+        assert _largest(lambda n, e=edge: n <= e) == edge
+
+
+def test_meta_pools_cost_no_memory_and_little_time() -> None:
+    start = time.perf_counter()
+    scenarios = published_scenarios()
+    assert len(scenarios) == 8
+    plan(scenarios[4], systems=("ulakv",))  # B300 TP: hundreds of 66K-133K-token requests
+    assert time.perf_counter() - start < 60
