@@ -24,7 +24,8 @@ def test_plan_explains_its_assumptions_and_bytes(capsys, tmp_path) -> None:
         "Assumptions",
         "published setting",
         "mem_fraction_static",
-        "KV rows",
+        "KV homes",
+        "buffers",
         "staging_slots",
         "H200 DP",
     ):

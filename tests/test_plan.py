@@ -76,9 +76,9 @@ def test_the_published_shape(published) -> None:
 def test_every_number_fits_its_budgets(published) -> None:
     for r in published:
         b = r["breakdown"]
-        gpu = b["kv_rows_gb"] + b["index_keys_gb"] + b["metadata_gb"]
+        gpu = b["kv_rows_gb"] + b["buffers_gb"] + b["index_keys_gb"] + b["metadata_gb"]
         assert gpu <= b["kv_budget_gb"] + 1e-3, r
-        assert b["cpu_rows_gb"] <= b["cpu_budget_gb"] + 1e-3, r
+        assert b["cpu_rows_gb"] + b["cpu_staging_gb"] <= b["cpu_budget_gb"] + 1e-3, r
         assert r["pools"] and r["limit"]
     # ulakv pays for its mapping tables and policy state; the baselines are charged rows only.
     assert all(r["breakdown"]["metadata_gb"] > 0 for r in published if r["system"] == "ulakv")
@@ -117,7 +117,9 @@ def test_staging_rows_and_buffers_are_counted() -> None:
     union = -(-int(1.18 * 2048 * 1000) // 1000)
     assert f"buffer_slots={n * union}" in p.pools[0]
     assert "staging_slots=" in p.pools[0]
-    assert p.bytes_per_gpu.cpu_rows <= sc.hardware.cpu_bytes
+    b = p.bytes_per_gpu
+    assert b.cpu_staging > 0 and b.cpu <= sc.hardware.cpu_bytes
+    assert b.gpu_buffers == (n * union + 1) * sc.model.kv_layers(True) * 656  # + the dummy row
 
 
 def test_dp_attention_replicates_the_attention_weights() -> None:

@@ -23,7 +23,7 @@ def _choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
 
 
 def _gb(n: float) -> str:
-    return f"{n:7.1f}"
+    return f"{n:8.1f}"
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -82,15 +82,18 @@ def _explain(p) -> None:
         f"- weights {sc.weights_per_gpu() / 1e9:.1f} GB = {sc.kv_budget() / 1e9:.1f} GB for KV; "
         f"CPU {sc.hardware.cpu_bytes / 1e9:.0f} GB"
     )
-    print(f"    {'system':12s} {'KV rows':>8s} {'index':>8s} {'meta':>8s} {'CPU rows':>8s}  limit; pools")
+    print(
+        f"    {'GB a GPU':12s} {'KV homes':>8s} {'buffers':>8s} {'index':>8s} {'meta':>8s} {'CPU rows':>8s} "
+        f"{'staging':>8s}  what stops one more request; pools"
+    )
     for name, s in p.systems.items():
         b = s.bytes_per_gpu
         ranks = ""
         if len(s.per_rank) > 1:
             ranks = f" ({len(s.per_rank)} ranks: {min(s.per_rank)}-{max(s.per_rank)} each)"
         print(
-            f"    {name:12s} {_gb(b.gpu_rows / 1e9)} {_gb(b.gpu_index / 1e9)} {_gb(b.gpu_meta / 1e9)} "
-            f"{_gb(b.cpu_rows / 1e9)}  {s.limit}{ranks}"
+            f"    {name:12s} {_gb(b.gpu_rows / 1e9)} {_gb(b.gpu_buffers / 1e9)} {_gb(b.gpu_index / 1e9)} "
+            f"{_gb(b.gpu_meta / 1e9)} {_gb(b.cpu_rows / 1e9)} {_gb(b.cpu_staging / 1e9)}  {s.limit}{ranks}"
         )
         for pool in s.pools:
             print(f"    {'':12s} {pool}")
@@ -281,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--requests", type=int, default=6)
     r.add_argument("--prompt", type=int, nargs=2, default=(600, 1200), metavar=("LO", "HI"))
     r.add_argument("--steps", type=int, default=16)
-    r.add_argument("--topk", type=int, default=64)
+    r.add_argument("--topk", type=int, default=128)
     r.add_argument("--queries", type=int, default=3)
     r.add_argument("--groups", type=int, default=2)
     r.add_argument("--seed", type=int, default=0)

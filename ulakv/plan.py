@@ -325,64 +325,70 @@ class Scenario:
 
 @dataclass
 class Bytes:
-    """Bytes a system holds on one GPU and in its CPU budget, by kind."""
+    """Bytes a system holds on one GPU and in its CPU budget, by what they are for."""
 
-    gpu_rows: int = 0  # latent KV rows (cache, buffers, replicas)
+    gpu_rows: int = 0  # latent KV homes (or, replicated, this rank's full copy)
+    gpu_buffers: int = 0  # working copies: a striped rank's buffer, per-request GPU buffers
     gpu_index: int = 0  # index-key rows
     gpu_meta: int = 0  # mapping tables, policy state, free stacks, call scratch
-    cpu_rows: int = 0  # latent rows in CPU memory (history, staging)
+    cpu_rows: int = 0  # latent homes (or the full history copy) in CPU memory
+    cpu_staging: int = 0  # spare CPU rows a swap's victims go to before their slots are reused
 
     def __add__(self, other: Bytes) -> Bytes:
-        return Bytes(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+        return Bytes(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
 
     @property
     def gpu(self) -> int:
-        return self.gpu_rows + self.gpu_index + self.gpu_meta
+        return self.gpu_rows + self.gpu_buffers + self.gpu_index + self.gpu_meta
+
+    @property
+    def cpu(self) -> int:
+        return self.cpu_rows + self.cpu_staging
 
 
-def astuple(b: Bytes) -> tuple[int, ...]:
-    return (b.gpu_rows, b.gpu_index, b.gpu_meta, b.cpu_rows)
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
 
 
-def _state_bytes(state, skip_rows: bool = False) -> tuple[int, int, int]:
-    """(GPU rows, GPU metadata, CPU rows) of a TieredState."""
-    rows = meta = cpu = 0
-    for name, t in state.tensors().items():
-        n = t.numel() * t.element_size()
-        if name == "cpu_data":
-            cpu += n
-        elif name == "gpu_data":
-            rows += 0 if skip_rows else n
-        else:
-            meta += n
-    return rows, meta, cpu
+def _tiered_bytes(pool) -> Bytes:
+    """A tiered pool's (or a replica's) rows, staging rows and everything else it keeps."""
+    st, lay = pool._state, pool._storage.layout
+    row = st.cpu_data.shape[0] * st.cpu_data.shape[2]  # every layer of one CPU row
+    meta = sum(_nbytes(t) for k, t in st.tensors().items() if k not in ("gpu_data", "cpu_data"))
+    staging = lay.cpu_staging * row
+    return Bytes(
+        gpu_rows=_nbytes(st.gpu_data),
+        gpu_meta=meta + _scratch_bytes(pool._layout),
+        cpu_rows=_nbytes(st.cpu_data) - staging,
+        cpu_staging=staging,
+    )
 
 
 def _scratch_bytes(layout) -> int:
     sc = layout._scratch
-    return 0 if sc is None else sum(t.numel() * t.element_size() for t in sc.tensors().values())
+    return 0 if sc is None else sum(_nbytes(t) for t in sc.tensors().values())
 
 
 def pool_bytes(pool, index: bool = False) -> Bytes:
-    """What ``pool``'s tensors take (a meta pool's are measured without being allocated)."""
+    """What ``pool``'s tensors take (a meta pool's are measured without being allocated); an
+    index-key pool's rows count as ``gpu_index``."""
     from .layouts.offload import OffloadPool
     from .layouts.striped import StripedPool
 
     if isinstance(pool, StripedPool):
-        _, meta_i, cpu = _state_bytes(pool.inner._state, skip_rows=True)
-        _, meta_b, _ = _state_bytes(pool._buffer, skip_rows=True)
-        rows = pool._rows.numel()
-        meta = meta_i + meta_b + _scratch_bytes(pool.inner._layout) + _scratch_bytes(pool._buffer_layout)
+        b = _tiered_bytes(pool.inner)  # its GPU rows are the first rows of the rank's buffer tensor
+        buffer_meta = sum(_nbytes(t) for k, t in pool._buffer.tensors().items() if k != "gpu_data")
+        b.gpu_buffers = _nbytes(pool._rows) - b.gpu_rows
+        b.gpu_meta += buffer_meta + _scratch_bytes(pool._buffer_layout)
     elif isinstance(pool, OffloadPool):
-        rows, cpu = pool._rows.numel(), pool._history.numel()
-        meta = sum(_state_bytes(b.state, skip_rows=True)[1] for b in pool._buffers)
-        meta += pool._history_map.numel() * 4 + pool._request_of.numel() * 4
+        meta = sum(_nbytes(t) for s in pool._buffers for k, t in s.state.tensors().items() if k != "gpu_data")
+        meta += _nbytes(pool._history_map) + _nbytes(pool._request_of)
+        b = Bytes(gpu_buffers=_nbytes(pool._rows), gpu_meta=meta, cpu_rows=_nbytes(pool._history))
     else:
-        rows, meta, cpu = _state_bytes(pool._state)
-        meta += _scratch_bytes(pool._layout)
-    if index:
-        return Bytes(gpu_index=rows, gpu_meta=meta, cpu_rows=cpu)
-    return Bytes(gpu_rows=rows, gpu_meta=meta, cpu_rows=cpu)
+        b = _tiered_bytes(pool)
+    if index:  # index keys are scored where they live: all their rows are index rows
+        b.gpu_index, b.gpu_rows, b.gpu_buffers = b.gpu_rows + b.gpu_buffers, 0, 0
+    return b
 
 
 def _reserve(pool, elements: int) -> None:
@@ -457,15 +463,18 @@ class SystemPlan:
     limit: str  # what stopped one more request
 
     def breakdown(self, scenario: Scenario) -> dict[str, float]:
+        """GB a GPU (and its CPU budget) holds, by purpose, at the admitted batch."""
         b = self.bytes_per_gpu
         return {
             "weights_gb": scenario.weights_per_gpu() / GB,
+            "kv_budget_gb": scenario.kv_budget() / GB,
             "kv_rows_gb": b.gpu_rows / GB,
+            "buffers_gb": b.gpu_buffers / GB,
             "index_keys_gb": b.gpu_index / GB,
             "metadata_gb": b.gpu_meta / GB,
-            "kv_budget_gb": scenario.kv_budget() / GB,
-            "cpu_rows_gb": b.cpu_rows / GB,
             "cpu_budget_gb": scenario.hardware.cpu_bytes / GB,
+            "cpu_rows_gb": b.cpu_rows / GB,
+            "cpu_staging_gb": b.cpu_staging / GB,
         }
 
 
@@ -521,7 +530,7 @@ class _Planner:
         latent = Pool(self.latent_config(layout))
         index = Pool(self.index_config(layout))
         b = pool_bytes(latent) + pool_bytes(index, index=True)
-        charged = Bytes(gpu_rows=b.gpu_rows, gpu_index=b.gpu_index)
+        charged = Bytes(gpu_rows=b.gpu_rows, gpu_index=b.gpu_index)  # rows only: flatters the baseline
         pools = [f"latent: {layout}", "index keys: the same slots"]
         ok = _admits([latent, index], self.lengths(stream, n))
         return ok, charged, pools, "GPU KV memory"
@@ -539,7 +548,7 @@ class _Planner:
         index_slots = sum(lengths)
         index = Pool(self.index_config(Replicated(world=1, gpu_slots=index_slots)))
         b = pool_bytes(latent) + pool_bytes(index, index=True)
-        charged = Bytes(gpu_rows=b.gpu_rows, gpu_index=b.gpu_index, cpu_rows=b.cpu_rows)
+        charged = Bytes(gpu_buffers=b.gpu_buffers, gpu_index=b.gpu_index, cpu_rows=b.cpu_rows)
         pools = [
             f"latent: CPUOffloadBaseline(cpu_slots={history}, slots_per_request={sc.slots_per_request}, "
             f"max_requests={n})",

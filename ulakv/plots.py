@@ -62,7 +62,7 @@ def hit_rate_curves(rows: Sequence[dict], path: str | Path, title: str) -> None:
         mine.sort(key=lambda r: r["x"])
         if mine:
             ax.plot([r["x"] for r in mine], [100 * r["hit_rate"] for r in mine], marker="o", label=label)
-    bound = sorted({(r["x"], r["belady_hit_rate"]) for r in rows})
+    bound = sorted({(r["x"], r["belady_hit_rate"]) for r in rows if r["belady_hit_rate"] is not None})
     ax.plot([x for x, _ in bound], [100 * b for _, b in bound], "k--", label="Belady (OPT) bound")
     ax.set_xlabel("GPU slots a layer group (x one step's working set)")
     ax.set_ylabel("GPU hit rate (%)")
