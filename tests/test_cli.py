@@ -1,5 +1,6 @@
 """The ulakv command: plan's explanations and figure, replay's table, JSON and figure, and the
-occupancy of real pools after a replay (ulakv 1.0, Replicated 1/world, CPU offload below 1)."""
+occupancy of real pools after a replay (ulakv 1.0, striped 1.0 over all ranks, Replicated 1/world,
+CPU offload below 1)."""
 
 from __future__ import annotations
 
@@ -80,9 +81,12 @@ def test_replay_occupancy_from_real_pools(replayed) -> None:
     offload = by["CPU offload"]
     assert 0 < offload["distinct_per_slot"] < 1
     assert offload["distinct_entries"] == by["ulakv (Tiered)"]["distinct_entries"]
+    striped = by["Striped (world 2)"]  # every rank's slice together: one home each
+    assert striped["distinct_per_slot"] == 1.0
+    assert striped["distinct_entries"] == by["ulakv (Tiered)"]["distinct_entries"]
 
 
 def test_replay_prints_a_table(capsys) -> None:
-    assert main(["replay", *TINY, "--capacities", "1.5", "--no-progress"]) == 0
+    assert main(["replay", *TINY, "--capacities", "1.5", "--striped-world", "0", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "Belady" in out and "distinct/physical" in out and "MB in/step" in out

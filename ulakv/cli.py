@@ -201,6 +201,21 @@ def run_replay(args: argparse.Namespace) -> int:
             }
         )
     bar.close()
+    if args.striped_world > 1:
+        from .spawn import run_ranks
+
+        ranks = run_ranks(_striped_replay, args.striped_world, trace, mid, args.buckets)
+        occupancy.append(
+            {
+                "layout": f"Striped (world {args.striped_world})",
+                "distinct_entries": sum(r["distinct"] for r in ranks),
+                "physical_slots": sum(r["physical"] for r in ranks),
+                "distinct_per_slot": round(
+                    sum(r["distinct"] for r in ranks) / sum(r["physical"] for r in ranks), 4
+                ),
+                "hit_rate": ranks[0]["hit_rate"],  # the buffer's, the same on every rank
+            }
+        )
 
     if args.plot:
         from .plots import hit_rate_curves
@@ -222,14 +237,34 @@ def run_replay(args: argparse.Namespace) -> int:
         mb_in = f"{r['bytes_in_per_step'] / 1e6:10.3f}" if r["hit_rate"] is not None else ""
         mb_out = f"{r['bytes_out_per_step'] / 1e6:11.3f}" if r["hit_rate"] is not None else ""
         print(f"{r['x']:5.2f} {r['gpu_slots']:6d}  {r['label']:30s} {hit:>8s} {belady:>7s} {mb_in} {mb_out}")
-    print(f"\nreal pools at {x_mid} x working set, at the step they held most:")
-    print(f"  {'layout':24s} {'distinct':>9s} {'physical':>9s} {'distinct/physical':>18s}")
+    print(f"\nreal pools at {x_mid} x working set, at the step they held most (all ranks):")
+    print(f"  {'layout':24s} {'distinct':>9s} {'physical':>9s} {'distinct/physical':>18s} {'hit rate':>9s}")
     for o in occupancy:
         print(
             f"  {o['layout']:24s} {o['distinct_entries']:9d} {o['physical_slots']:9d} "
-            f"{o['distinct_per_slot']:18.4f}"
+            f"{o['distinct_per_slot']:18.4f} {100 * o['hit_rate']:8.2f}%"
         )
     return 0
+
+
+def _striped_replay(rank: int, world: int, trace, buffer: int, buckets: int) -> dict:
+    """One rank of a striped pool (tensor parallelism) replaying ``trace``: its slice holds a
+    ``1/world`` share of the history (GPU part: one step's working set; the rest on the CPU)."""
+    from .config import PBLRU, Striped, Tiered
+    from .replay import replay
+
+    total = sum(r.prompt_len + r.steps for r in trace.requests)
+    share = -(-total // world) + len(trace.requests)
+    inner = Tiered(gpu_slots=buffer, cpu_slots=share, policy=PBLRU(buckets))
+    layout = Striped(world=world, rank=rank, buffer_slots=buffer, policy=PBLRU(buckets), inner=inner)
+    result = replay(trace, PBLRU(buckets), buffer, layout=layout)
+    return {
+        "hit_rate": result.hit_rate,
+        "belady": result.belady_hit_rate,
+        "distinct": result.peak_distinct_entries,
+        "physical": result.peak_physical_slots,
+        "fetched_per_step": result.pool_stats["bytes_communicated"] / result.steps,
+    }
 
 
 def _policy(policy) -> str:
@@ -293,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--buckets", type=int, default=8, help="PB-LRU ring size")
     r.add_argument("--world", type=int, default=8, help="ranks of the Replicated layout")
+    r.add_argument(
+        "--striped-world",
+        type=int,
+        default=2,
+        help="also replay a Striped pool on this many gloo processes (0: skip)",
+    )
     r.add_argument(
         "--backend",
         choices=["model", "pool"],
