@@ -11,7 +11,10 @@
   queries differ slightly, so selections are ``[batch, queries, k]`` and overlap heavily; the first
   query's logits decide the next token (drafts are scored, not accepted: what matters to the pool is
   the shape and overlap of the selections).
-* Greedy decoding; requests arrive and finish at different steps; prompts are fed token by token.
+* Greedy decoding; requests arrive and finish at different steps. Prompts are fed token by token
+  (each prompt token a step through the store), or with ``prefill=True`` in one pass a request:
+  dense causal attention over the prompt itself and one store write a layer, decoding then starting
+  from the last prompt token's output (long histories in few steps).
 
 The KV store is pluggable: ``DenseKV`` keeps every latent in one tensor indexed by position; ``PoolKV``
 keeps them in a ``ulakv.Pool`` and speaks logical addresses. The same model over either store must
@@ -21,11 +24,12 @@ give bit-identical logits: the pool only moves bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..config import EntrySpec, PoolConfig, Tiered
+from ..config import CPUOffloadBaseline, EntrySpec, PoolConfig, Replicated, Striped, Tiered
 from ..pool import Pool
 from .adapter import GroupStep, SparseKV
 from .indexer import global_topk, index_scores, topk_merge
@@ -97,12 +101,16 @@ class DenseKV:
 class PoolKV:
     """Latents in a ulakv pool, through the engine adapter: positions become logical addresses, a
     group's selection becomes one ``GroupStep`` whose slots every layer of the group reads after
-    waiting for its own rows. ``prefetch`` splits each group's moves (first layer, then the rest)."""
+    waiting for its own rows. ``prefetch`` splits each group's moves (first layer, then the rest).
+
+    Pools that are not a :class:`Pool` are driven directly: a striped pool (its prepare is
+    collective, its indexer merges candidates across ranks) and the CPU-offload baseline (its
+    slots index its per-request buffers; its indexer is the dense one)."""
 
     def __init__(
         self,
         spec: DecoderSpec,
-        layout: Tiered,
+        layout: Tiered | Striped | Replicated | CPUOffloadBaseline,
         device: str = "cpu",
         max_batch: int = 16,
         prefetch: bool | None = True,
@@ -116,7 +124,7 @@ class PoolKV:
                 device=device,
             )
         )
-        # A striped pool (tensor parallelism) is driven directly: its prepare is collective.
+        self.striped = isinstance(layout, Striped)
         self.kv = (
             SparseKV(
                 self.pool, max_batch=max_batch, top_k=spec.topk, max_queries=spec.queries, prefetch=prefetch
@@ -134,19 +142,26 @@ class PoolKV:
         (self.kv or self.pool).release(self.seqs.pop(rid))
 
     def write(self, layer: int, rids: list[int], positions: list[int], latents: torch.Tensor) -> None:
-        addrs = []
-        for r, p in zip(rids, positions, strict=True):
+        """Rows for ``(rid, position)`` pairs: one token of each of a batch of requests, or a
+        whole prompt of one request. The first layer's write extends a request to cover them."""
+        device = self.pool.device
+        where: dict[int, list[int]] = {}  # request -> its rows, in order
+        for i, r in enumerate(rids):
+            where.setdefault(r, []).append(i)
+        addrs = torch.empty(len(rids), dtype=torch.int64, device=device)
+        for r, rows_of_r in where.items():
             seq = self.seqs[r]
-            if layer == 0 and p == len(seq):
-                self.pool.extend(seq, 1)
-            addrs.append(seq.addresses[p])
+            mine = [positions[i] for i in rows_of_r]
+            if layer == 0 and max(mine) >= len(seq):
+                self.pool.extend(seq, max(mine) + 1 - len(seq))
+            addrs[rows_of_r] = seq.addresses[torch.tensor(mine, device=device)]
         rows = latents.contiguous().view(torch.uint8).view(len(rids), -1)
-        (self.kv or self.pool).write(layer, torch.stack(addrs), rows)
+        (self.kv or self.pool).write(layer, addrs, rows)
 
     def pick(self, group: int, rid: int, queries: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
         """The indexer's top-k. Under tensor parallelism each rank scores only the keys of the
         positions homed on it (address mod world) and the ranks merge their top-k candidates."""
-        if self.kv is not None:
+        if not self.striped:
             return dense_pick(queries, keys, k)
         world, rank = self.pool.world, self.pool.rank
         addresses = self.seqs[rid].addresses[: keys.shape[0]]
@@ -228,23 +243,85 @@ class TinyDecoder:
                 x = torch.tanh(x + out.reshape(B, -1) @ self.w_o[layer])
         return x @ self.unembed
 
+    def prefill(
+        self, store, keys: list[list[torch.Tensor]], rids: list[int], prompts: list[tuple[int, ...]]
+    ) -> torch.Tensor:
+        """Every prompt token of the requests ``rids`` in one pass: dense causal attention over each
+        prompt itself (nothing read from the store, no selection), one ``store.write`` per layer of
+        all the prompts' latents, every index key appended. Returns the logits of each prompt's last
+        token ``[len(rids), vocab]``. Each request is computed on its own (its bits do not depend on
+        which requests share the pass); only the writes are batched, to keep launches few."""
+        s = self.spec
+        xs = [self.embed[torch.tensor(p)] for p in prompts]
+        owners = [r for r, p in zip(rids, prompts, strict=True) for _ in p]
+        positions = [i for p in prompts for i in range(len(p))]
+        for g in range(s.groups):
+            for r, x in zip(rids, xs, strict=True):
+                keys[g][r].extend((x @ self.w_ik[g]).unbind(0))
+            for layer in range(g * s.layers_per_group, min((g + 1) * s.layers_per_group, s.layers)):
+                latents = [(x @ self.w_kv[layer]).to(torch.bfloat16) for x in xs]
+                store.write(layer, owners, positions, torch.cat(latents))
+                for i, (x, lat) in enumerate(zip(xs, latents, strict=True)):
+                    P = x.shape[0]
+                    kv = lat.float()  # what decoding reads back: the bf16 bytes the store holds
+                    q = (x @ self.w_q[layer]).view(P, s.heads, WIDTH)
+                    scores = torch.einsum("phw,kw->phk", q, kv) / math.sqrt(WIDTH)
+                    future = torch.ones(P, P, dtype=torch.bool).triu(1)[:, None, :]  # key after query
+                    attn = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+                    out = torch.einsum("phk,kl->phl", attn, kv[:, :LATENT])
+                    xs[i] = torch.tanh(x + out.reshape(P, -1) @ self.w_o[layer])
+        return torch.stack([x[-1] for x in xs]) @ self.unembed
 
-def generate(model: TinyDecoder, store, requests: list[Request]) -> list[torch.Tensor]:
-    """Run every request to completion through ``store``; returns the logits of every step, in
-    order (one ``[active, vocab]`` tensor a step)."""
+
+@dataclass(frozen=True)
+class Decoded:
+    """What :func:`decode` returns: the logits of every step in order (one ``[rows, vocab]``
+    tensor a step; a bulk prefill's last-token logits are an entry of their own) and every
+    request's generated tokens."""
+
+    logits: list[torch.Tensor]
+    tokens: list[list[int]]
+
+
+def decode(
+    model: TinyDecoder,
+    store,
+    requests: list[Request],
+    *,
+    prefill: bool = False,
+    on_step: Callable[[int], object] | None = None,
+) -> Decoded:
+    """Run every request to completion through ``store``. ``prefill``: the prompts of a step's
+    arrivals are computed in one pass (:meth:`TinyDecoder.prefill`), each request's first token
+    comes from its prompt's last position, and it decodes from that step on; otherwise each prompt
+    token is a step. ``on_step(step)`` runs before each step's decode, after that step's arrivals are
+    admitted and prefilled: a caller's measuring point."""
     s = model.spec
     keys = [{i: [] for i in range(len(requests))} for _ in range(s.groups)]
     fed = [0] * len(requests)  # tokens fed so far (prompt and generated)
     generated: list[list[int]] = [[] for _ in requests]
     logits_log = []
+
+    def emit(i: int, logits: torch.Tensor) -> None:
+        generated[i].append(int(torch.argmax(logits)))
+        if len(generated[i]) == requests[i].new_tokens:
+            store.release(i)
+
     step = 0
     while any(len(generated[i]) < r.new_tokens for i, r in enumerate(requests)):
-        active = []
-        for i, r in enumerate(requests):
-            if r.arrival == step:
-                store.admit(i)
-            if r.arrival <= step and len(generated[i]) < r.new_tokens:
-                active.append(i)
+        arrived = [i for i, r in enumerate(requests) if r.arrival == step]
+        for i in arrived:
+            store.admit(i)
+        prompts = [i for i in arrived if requests[i].new_tokens > 0] if prefill else []
+        if prompts:
+            logits = model.prefill(store, keys, prompts, [requests[i].prompt for i in prompts])
+            logits_log.append(logits)
+            for b, i in enumerate(prompts):
+                fed[i] = len(requests[i].prompt)
+                emit(i, logits[b])
+        active = [i for i, r in enumerate(requests) if r.arrival <= step and len(generated[i]) < r.new_tokens]
+        if on_step is not None:
+            on_step(step)
         if active:
             tokens = [
                 requests[i].prompt[fed[i]] if fed[i] < len(requests[i].prompt) else generated[i][-1]
@@ -255,8 +332,14 @@ def generate(model: TinyDecoder, store, requests: list[Request]) -> list[torch.T
             for b, i in enumerate(active):
                 fed[i] += 1
                 if fed[i] >= len(requests[i].prompt):
-                    generated[i].append(int(torch.argmax(logits[b])))
-                    if len(generated[i]) == requests[i].new_tokens:
-                        store.release(i)
+                    emit(i, logits[b])
         step += 1
-    return logits_log
+    return Decoded(logits_log, generated)
+
+
+def generate(
+    model: TinyDecoder, store, requests: list[Request], *, prefill: bool = False
+) -> list[torch.Tensor]:
+    """Run every request to completion through ``store``; returns the logits of every step, in
+    order (one ``[active, vocab]`` tensor a step). See :func:`decode`."""
+    return decode(model, store, requests, prefill=prefill).logits
