@@ -146,7 +146,8 @@ class Pool:
 
     def _release_addresses(self, addresses: list[range], on_device: torch.Tensor) -> None:
         self._finish_pending()
-        self._launches += self._layout.release(on_device)
+        if self.device.type != "meta":  # a capacity plan's pool holds no device state to free
+            self._launches += self._layout.release(on_device)
         self._allocator.give_back(addresses)
         if self._allocator.free == self._allocator.capacity:
             # No request left: put the policy back in its fresh state (invariant 6, exactly).
@@ -193,7 +194,7 @@ class Pool:
                 f"prepare: topk must be [batch, k] or [batch, q, k], got shape {tuple(topk.shape)}"
             )
         self._check_device("prepare: topk", topk)
-        flat = topk.reshape(-1)
+        flat = topk.reshape(-1).contiguous()  # the kernels read indices with unit stride
         if out is not None:
             ok = isinstance(out, torch.Tensor) and out.dtype == torch.int32 and out.is_contiguous()
             if not ok or out.numel() < flat.numel():
@@ -268,7 +269,7 @@ class Pool:
         if addrs.numel() == 0:
             return
         plan, launches = self._layout.plan(
-            self.config.group_of(layer), addrs, rows=rows.contiguous(), layer=layer
+            self.config.group_of(layer), addrs.contiguous(), rows=rows.contiguous(), layer=layer
         )
         self._launches += launches
         self._raise_if_failed("write", plan)
@@ -283,7 +284,7 @@ class Pool:
         self.check()
         if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
-        addrs = addrs.reshape(-1).to(self.device)
+        addrs = addrs.reshape(-1).to(self.device).contiguous()
         self._check_live("read", addrs)
         return self._layout.read(layer, addrs)
 

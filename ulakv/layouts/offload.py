@@ -77,6 +77,8 @@ class OffloadPool:
         history_map[N] = UNHOMED
         self._history_map = history_map  # the gather kernel's mapping: every home a CPU row
         self._request_of = torch.full((N,), -1, dtype=torch.int32, device=self.device)
+        # Entries that hold data, per group (written or selected), counted as Pool counts them.
+        self._homed = torch.zeros((config.num_groups, N), dtype=torch.bool, device=self.device)
         # Buffer r is rows [r (Q + 1), (r + 1)(Q + 1)) of every layer (its last row its dummy);
         # the final row absorbs writes of rows that are not buffered.
         self._rows = torch.zeros((L, R * (Q + 1) + 1, W), dtype=torch.uint8, device=self.device)
@@ -152,9 +154,10 @@ class OffloadPool:
         self._check_seq(seq)
         r = self._buffer_of.pop(seq.seq_id)
         addrs = seq.addresses
-        if len(seq):
+        if len(seq) and self.device.type != "meta":
             self._launches += release_mod.release(addrs, self._buffers[r].state)
             self._request_of[addrs] = -1
+            self._homed[:, addrs] = False
             self._history[:, addrs.to(self._history.device)] = 0
         self._buffers[r].state.reset_residency()
         self._allocator.give_back(seq._runs)
@@ -197,6 +200,7 @@ class OffloadPool:
                 f"buffer of {Q} (slots_per_request); nothing changed"
             )
         owner = torch.where(flat >= 0, self._request_of[flat.clamp(min=0)], -1)
+        self._homed[group, used] = True
         layers = self.config.group_layers(group)
         for r, n in enumerate(per_request):
             if n == 0:
@@ -259,6 +263,7 @@ class OffloadPool:
         history.index_copy_(0, at.to(history.device), rows.to(history.device))
         self._bytes_backed_up += int(valid.sum()) * W
         g = self.config.group_of(layer)
+        self._homed[g, flat[valid]] = True
         owner = torch.where(valid, self._request_of[flat.clamp(min=0)], -1)
         dummy = self._rows.shape[1] - 1
         for r in self._seqs:
@@ -280,7 +285,8 @@ class OffloadPool:
 
     def stats(self) -> dict[str, int]:
         """Counters summed over the request buffers; ``bytes_out`` is the eager backup of writes.
-        Every live address has a CPU row in every group; buffered rows are copies of them."""
+        An entry counts once it holds data in its group (written or selected, as ``Pool`` counts);
+        its CPU row is its one copy that counts as a home, buffered GPU rows are further copies."""
         totals = torch.stack([b.state.stats for b in self._buffers]).sum(0).tolist()
         counters = dict(zip(K.STAT_NAMES, totals, strict=False))
         groups = self.num_groups
@@ -288,12 +294,13 @@ class OffloadPool:
             groups * b.state.gpu_slots - int(b.state.gctl[:, int(K.G_GPU_FREE)].sum()) for b in self._buffers
         )
         live = self.capacity - self.free_addresses
+        homed = int(self._homed.sum())
         return {
             "live_addresses": live,
-            "distinct_entries": groups * live,
-            "physical_slots_used": groups * live + buffered,
+            "distinct_entries": homed,
+            "physical_slots_used": homed + buffered,
             "gpu_slots_used": buffered,
-            "cpu_slots_used": groups * live,
+            "cpu_slots_used": homed,
             **counters,
             "bytes_out": counters["bytes_out"] + self._bytes_backed_up,
             "launches": self._launches,

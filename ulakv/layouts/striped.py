@@ -139,7 +139,7 @@ class StripedPool:
         self._check_seq(seq)
         local = self._local(seq._runs)
         self.inner._release_addresses(local, addresses_on(local, self.device))
-        if seq._runs:
+        if seq._runs and self.device.type != "meta":  # a capacity plan holds no device state
             release_mod.release(seq.addresses, self._buffer)
         self._allocator.give_back(seq._runs)
         seq.released = True
@@ -180,7 +180,7 @@ class StripedPool:
         if topk.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
         self.inner._check_device("prepare: topk", topk)
-        flat = topk.reshape(-1).to(torch.int64)
+        flat = topk.reshape(-1).to(torch.int64).contiguous()  # the kernels read with unit stride
         T = flat.numel()
         if T == 0:
             return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
