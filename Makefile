@@ -16,7 +16,7 @@ $(BIN)/.ready: pyproject.toml
 	touch $@
 
 demo: $(BIN)/.ready
-	$(BIN)/python -m ulakv.demo
+	$(BIN)/ulakv demo
 
 test: $(BIN)/.ready
 	$(BIN)/python -m pytest -q -n auto --dist worksteal
