@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulakv import PBLRU, ExactLRU
+from ulakv import PBLRU, CPUOffloadBaseline, ExactLRU
 from ulakv.replay import replay
 from ulakv.traces import SyntheticSpec, Trace, synthetic
 
@@ -79,3 +79,29 @@ def test_model_replay_equals_pool_replay(policy) -> None:
     model = replay(trace, policy, gpu, bytes_per_layer=8, layers_per_group=2, backend="model")
     for field in ("hits", "misses", "bytes_in_per_step", "bytes_out_per_step", "victims", "belady_hit_rate"):
         assert getattr(pool, field) == getattr(model, field), field
+
+
+def test_offload_model_replay_equals_offload_pool_replay() -> None:
+    """The CPU-offload baseline's models (one exact LRU a request and group) decide what its
+    buffer kernels decide, bytes and peak occupancy included."""
+    trace = synthetic(SMALL)
+    total = sum(r.prompt_len + r.steps for r in trace.requests)
+    alive = len(trace.requests)
+    per_request = max(
+        int(r.topk[s, g][r.topk[s, g] >= 0].unique().numel())
+        for r in trace.requests
+        for s in range(r.steps)
+        for g in range(trace.groups)
+    )
+    layout = CPUOffloadBaseline(cpu_slots=total, slots_per_request=per_request + 3, max_requests=alive)
+    kw = dict(bytes_per_layer=8, layers_per_group=2, layout=layout)
+    pool = replay(trace, ExactLRU(), alive * (per_request + 3), **kw)
+    model = replay(trace, ExactLRU(), alive * (per_request + 3), backend="model", **kw)
+    assert pool.victims > 0  # the quotas are tight: entries leave the buffers
+    for field in ("hits", "misses", "bytes_in_per_step", "bytes_out_per_step", "victims"):
+        assert getattr(pool, field) == getattr(model, field), field
+    assert (pool.peak_distinct_entries, pool.peak_physical_slots) == (
+        model.peak_distinct_entries,
+        model.peak_physical_slots,
+    )
+    assert pool.system == model.system == "cpu_offload" and 0 < pool.distinct_per_slot < 1

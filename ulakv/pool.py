@@ -16,6 +16,7 @@ import torch
 from .address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, runs_of
 from .config import CPUOffloadBaseline, PoolConfig, Replicated, Striped
 from .errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
+from .frame import PoolFrame
 from .invariants import check_invariants
 from .kernels import common as K
 from .layouts.tiered import TieredLayout, TieredState
@@ -36,13 +37,7 @@ def _debug_enabled() -> bool:
     return os.environ.get("ULAKV_DEBUG", "0") not in ("", "0")
 
 
-def _same_device(t: torch.Tensor, device: torch.device) -> bool:
-    if t.device.type != device.type:
-        return False
-    return device.index is None or t.device.index == device.index
-
-
-class Pool:
+class Pool(PoolFrame):
     """A KV-cache pool built from a :class:`PoolConfig` (see DESIGN section 6 for the contract)."""
 
     def __new__(cls, config: PoolConfig, **kwargs):
@@ -82,24 +77,7 @@ class Pool:
         self._pending: TransferPlan | None = None
         self._interrupt: Phase | None = None  # set by ulakv.plans.interrupt_after (tests)
 
-    # -- shape of the pool ---------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        """Logical addresses (tokens) the pool can hold at once: GPU slots + CPU slots."""
-        return self._allocator.capacity
-
-    @property
-    def free_addresses(self) -> int:
-        return self._allocator.free
-
-    @property
-    def num_groups(self) -> int:
-        return self.config.num_groups
-
-    def group_layers(self, group: int) -> range:
-        self._check_group(group)
-        return self.config.group_layers(group)
-
+    # -- shape of the pool (capacity, free_addresses, num_groups, group_layers: PoolFrame) -------
     def gpu_buffer(self, layer: int) -> torch.Tensor:
         """uint8 ``[gpu_slots + 1, bytes_per_layer]``: the rows ``prepare``'s slots index (row
         ``gpu_slots`` is a dummy that absorbs padding writes)."""
@@ -376,29 +354,6 @@ class Pool:
     def _after_call(self) -> None:
         if self._debug:
             self.check_invariants()
-
-    def _need_kernels(self, what: str) -> None:
-        if self.device.type == "meta":
-            raise UlakvError(f"{what}: a pool on the meta device plans capacity and holds no data")
-
-    def _check_group(self, group: int) -> None:
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
-            raise InvalidInputError(f"group must be an int in [0, {self.num_groups}), got {group!r}")
-
-    def _check_layer(self, layer: int) -> None:
-        n = self.config.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
-            raise InvalidInputError(f"layer must be an int in [0, {n}), got {layer!r}")
-
-    def _check_device(self, what: str, t: torch.Tensor) -> None:
-        if not _same_device(t, self.device):
-            raise InvalidInputError(f"{what} is on {t.device}, the pool on {self.device}")
-
-    def _check_seq(self, seq: Sequence) -> None:
-        if not isinstance(seq, Sequence) or seq.pool_id != self._id:
-            raise InvalidAddressError("the sequence does not belong to this pool")
-        if seq.released:
-            raise InvalidAddressError(f"sequence {seq.seq_id} was already released")
 
     def _check_live(self, what: str, addrs: torch.Tensor) -> None:
         in_range = (addrs >= 0) & (addrs < self.capacity)

@@ -164,11 +164,33 @@ class _PoolTarget:
         return stats["distinct_entries"], stats["physical_slots_used"]
 
 
-class _ModelTarget:
+class _AddressBook:
+    """A model target's addresses: handed out in order, never reused (a replay's pool is large
+    enough that reuse would change nothing the models decide)."""
+
+    def __init__(self) -> None:
+        self.addresses: dict[int, list[int]] = {}
+        self.next_address = 0
+
+    def _admit(self, key: int, n: int) -> list[int]:
+        self.addresses[key] = list(range(self.next_address, self.next_address + n))
+        self.next_address += n
+        return list(self.addresses[key])
+
+    def _extend(self, keys: list[int]) -> list[int]:
+        new = list(range(self.next_address, self.next_address + len(keys)))
+        for k, a in zip(keys, new, strict=True):
+            self.addresses[k].append(a)
+        self.next_address += len(keys)
+        return new
+
+
+class _ModelTarget(_AddressBook):
     """Replay target: the policies' plain models, one per group, with the pool's byte accounting.
     Decides exactly what the kernels decide (tests hold the two replays equal), far faster."""
 
     def __init__(self, cfg: PoolConfig) -> None:
+        super().__init__()
         slots, policy = cfg.layout.gpu_slots, cfg.layout.policy
         make = (
             (lambda: ExactLRUModel(slots))
@@ -177,8 +199,6 @@ class _ModelTarget:
         )
         self.cfg = cfg
         self.models = [make() for _ in range(cfg.num_groups)]
-        self.addresses: dict[int, list[int]] = {}
-        self.next_address = 0
         self.stats = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "victims"), 0)
         self.stats.update(victim_search_reads=-1, round_upkeep_reads=-1)  # models do not count words
 
@@ -195,18 +215,12 @@ class _ModelTarget:
                 self.stats["bytes_out"] += len(victims) * len(layers) * width + on_cpu * width
 
     def admit(self, key: int, n: int) -> list[int]:
-        addrs = list(range(self.next_address, self.next_address + n))
-        self.next_address += n
-        self.addresses[key] = addrs
+        addrs = self._admit(key, n)
         self._write(addrs)
-        return list(addrs)
+        return addrs
 
     def extend(self, keys: list[int]) -> list[int]:
-        new = []
-        for k in keys:
-            self.addresses[k].append(self.next_address)
-            new.append(self.next_address)
-            self.next_address += 1
+        new = self._extend(keys)
         self._write(new)
         return new
 
@@ -232,16 +246,15 @@ class _ModelTarget:
         return homed, homed  # exclusive: one home each
 
 
-class _OffloadModelTarget:
+class _OffloadModelTarget(_AddressBook):
     """Replay target: the CPU-offload baseline as plain models, one exact LRU of
     ``slots_per_request`` entries per request and group; every write is backed up to the CPU."""
 
     def __init__(self, cfg: PoolConfig) -> None:
+        super().__init__()
         self.cfg = cfg
         self.quota = cfg.layout.slots_per_request
         self.models: dict[int, list[ExactLRUModel]] = {}
-        self.addresses: dict[int, list[int]] = {}
-        self.next_address = 0
         self.stats = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "victims"), 0)
         self.stats.update(victim_search_reads=-1, round_upkeep_reads=-1)
 
@@ -252,19 +265,12 @@ class _OffloadModelTarget:
         if len(self.models) == self.cfg.layout.max_requests:
             raise CapacityError("all per-request GPU buffers are in use")
         self.models[key] = [ExactLRUModel(self.quota) for _ in range(self.cfg.num_groups)]
-        self.addresses[key] = list(range(self.next_address, self.next_address + n))
-        self.next_address += n
         self._write(n)
-        return list(self.addresses[key])
+        return self._admit(key, n)
 
     def extend(self, keys: list[int]) -> list[int]:
-        new = []
-        for k in keys:
-            self.addresses[k].append(self.next_address)
-            new.append(self.next_address)
-            self.next_address += 1
-        self._write(len(new))
-        return new
+        self._write(len(keys))
+        return self._extend(keys)
 
     def prepare(self, group: int, rows: list[list[int]], keys: list[int]) -> None:
         row_bytes = len(self.cfg.group_layers(group)) * self.cfg.entry.bytes_per_layer

@@ -26,7 +26,8 @@ import torch
 
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import CPUOffloadBaseline, ExactLRU, PoolConfig, Tiered
-from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError, UlakvError
+from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError
+from ..frame import PoolFrame
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
@@ -54,7 +55,7 @@ class _OnlyLive:
         return out
 
 
-class OffloadPool:
+class OffloadPool(PoolFrame):
     """A ``CPUOffloadBaseline`` pool, with the calls and counters of :class:`ulakv.Pool`."""
 
     def __init__(self, config: PoolConfig) -> None:
@@ -97,23 +98,7 @@ class OffloadPool:
         self._launches = 0
         self._bytes_backed_up = 0
 
-    # -- shape -------------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        return self._allocator.capacity
-
-    @property
-    def free_addresses(self) -> int:
-        return self._allocator.free
-
-    @property
-    def num_groups(self) -> int:
-        return self.config.num_groups
-
-    def group_layers(self, group: int) -> range:
-        self._check_group(group)
-        return self.config.group_layers(group)
-
+    # -- shape (capacity, free_addresses, num_groups, group_layers: PoolFrame) ----------------
     def gpu_buffer(self, layer: int) -> torch.Tensor:
         """uint8 ``[max_requests x (slots_per_request + 1) + 1, bytes]``: every request's buffer."""
         self._check_layer(layer)
@@ -179,7 +164,7 @@ class OffloadPool:
         if topk.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
         self._check_device("prepare: topk", topk)
-        self._need_data("prepare")
+        self._need_kernels("prepare")
         flat = topk.reshape(-1).to(torch.int64)
         slots = torch.full((flat.numel(),), -1, dtype=torch.int32, device=self.device)
         if flat.numel() == 0:
@@ -243,7 +228,7 @@ class OffloadPool:
         """Store ``rows`` in the CPU history at once (the eager backup; counted in ``bytes_out``)
         and refresh any buffered GPU copy. ``-1`` addresses are padding rows."""
         self._check_layer(layer)
-        self._need_data("write")
+        self._need_kernels("write")
         if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError("write: addrs must be an int32 or int64 tensor")
         if addrs.dim() != 1:
@@ -276,7 +261,7 @@ class OffloadPool:
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
         """The bytes of ``addrs`` in ``layer``: the CPU history always holds the latest."""
         self._check_layer(layer)
-        self._need_data("read")
+        self._need_kernels("read")
         if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
         flat = addrs.reshape(-1).to(torch.int64).to(self.device)
@@ -324,31 +309,6 @@ class OffloadPool:
     def _after_call(self) -> None:
         if self._debug:
             self.check_invariants()
-
-    def _need_data(self, what: str) -> None:
-        if self.device.type == "meta":
-            raise UlakvError(f"{what}: a pool on the meta device plans capacity and holds no data")
-
-    def _check_group(self, group: int) -> None:
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
-            raise InvalidInputError(f"group must be an int in [0, {self.num_groups}), got {group!r}")
-
-    def _check_layer(self, layer: int) -> None:
-        n = self.config.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
-            raise InvalidInputError(f"layer must be an int in [0, {n}), got {layer!r}")
-
-    def _check_device(self, what: str, t: torch.Tensor) -> None:
-        from ..pool import _same_device
-
-        if not _same_device(t, self.device):
-            raise InvalidInputError(f"{what} is on {t.device}, the pool on {self.device}")
-
-    def _check_seq(self, seq: Sequence) -> None:
-        if not isinstance(seq, Sequence) or seq.pool_id != self._id:
-            raise InvalidAddressError("the sequence does not belong to this pool")
-        if seq.released:
-            raise InvalidAddressError(f"sequence {seq.seq_id} was already released")
 
     def _check_live(self, what: str, flat: torch.Tensor, padding: bool = False, unique: bool = False) -> None:
         N = self.capacity

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import PoolConfig, Striped, Tiered
 from ..errors import CapacityError, CollectiveError, InvalidAddressError, InvalidInputError, UlakvError
+from ..frame import PoolFrame
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import release as release_mod
@@ -44,7 +45,7 @@ from .tiered import BufferState, TieredLayout
 _ids = itertools.count(1 << 20)
 
 
-class StripedPool:
+class StripedPool(PoolFrame):
     """A rank's part of a ``Striped`` pool; every rank calls the same methods with the same
     arguments in the same order (DESIGN section 6). Built by ``Pool(config)``."""
 
@@ -82,19 +83,7 @@ class StripedPool:
         self.collectives = 0
         self._broken: str | None = None  # why a prepare stopped half-way, if one did
 
-    # -- shape ---------------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        return self._allocator.capacity
-
-    @property
-    def free_addresses(self) -> int:
-        return self._allocator.free
-
-    @property
-    def num_groups(self) -> int:
-        return self.config.num_groups
-
+    # -- shape (capacity, free_addresses, num_groups: PoolFrame) --------------------------------
     def group_layers(self, group: int) -> range:
         return self.inner.group_layers(group)
 
@@ -339,9 +328,3 @@ class StripedPool:
             ordered = used.sort().values
             if bool((ordered[1:] == ordered[:-1]).any()):
                 raise InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
-
-    def _check_seq(self, seq: Sequence) -> None:
-        if not isinstance(seq, Sequence) or seq.pool_id != self._id:
-            raise InvalidAddressError("the sequence does not belong to this pool")
-        if seq.released:
-            raise InvalidAddressError(f"sequence {seq.seq_id} was already released")

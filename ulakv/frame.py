@@ -1,0 +1,67 @@
+"""What every kind of pool shares: its shape and the checks of its arguments.
+
+``Pool`` (tiered, replicated), a striped rank (``ulakv.layouts.striped``) and the CPU-offload
+baseline (``ulakv.layouts.offload``) keep ``config``, ``device``, ``_allocator`` and ``_id``; each
+refuses a bad group, layer, device or sequence with the same words.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .address_space import LogicalAllocator, Sequence
+from .config import PoolConfig
+from .errors import InvalidAddressError, InvalidInputError, UlakvError
+
+
+def same_device(t: torch.Tensor, device: torch.device) -> bool:
+    if t.device.type != device.type:
+        return False
+    return device.index is None or t.device.index == device.index
+
+
+class PoolFrame:
+    config: PoolConfig
+    device: torch.device
+    _allocator: LogicalAllocator
+    _id: int
+
+    @property
+    def capacity(self) -> int:
+        """Logical addresses (tokens) the pool can hold at once."""
+        return self._allocator.capacity
+
+    @property
+    def free_addresses(self) -> int:
+        return self._allocator.free
+
+    @property
+    def num_groups(self) -> int:
+        return self.config.num_groups
+
+    def group_layers(self, group: int) -> range:
+        self._check_group(group)
+        return self.config.group_layers(group)
+
+    def _need_kernels(self, what: str) -> None:
+        if self.device.type == "meta":
+            raise UlakvError(f"{what}: a pool on the meta device plans capacity and holds no data")
+
+    def _check_group(self, group: int) -> None:
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.num_groups:
+            raise InvalidInputError(f"group must be an int in [0, {self.num_groups}), got {group!r}")
+
+    def _check_layer(self, layer: int) -> None:
+        n = self.config.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise InvalidInputError(f"layer must be an int in [0, {n}), got {layer!r}")
+
+    def _check_device(self, what: str, t: torch.Tensor) -> None:
+        if not same_device(t, self.device):
+            raise InvalidInputError(f"{what} is on {t.device}, the pool on {self.device}")
+
+    def _check_seq(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence) or seq.pool_id != self._id:
+            raise InvalidAddressError("the sequence does not belong to this pool")
+        if seq.released:
+            raise InvalidAddressError(f"sequence {seq.seq_id} was already released")
