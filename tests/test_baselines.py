@@ -239,6 +239,25 @@ class Harness:
                 self.homed.add((group, a))
         if self.offload:  # the eager backup: every written row goes to the CPU at once
             self.totals["bytes_out"] += sum(a >= 0 for a in addrs) * self.W
+            if layer == self.layers(group)[0]:
+                self._offload_insert(group, [a for a in addrs if a >= 0])
+
+    def _offload_insert(self, group: int, written: list[int]) -> None:
+        """Written tokens enter their request's buffer: the last ``Q`` of each request's, one LRU
+        round that counts only victims; their slots are read back with ``residency``."""
+        mine: dict[Req, list[int]] = {}
+        for a in written:
+            mine.setdefault(self.owner[a], []).append(a)
+        mine = {req: addrs[-self.Q :] for req, addrs in mine.items()}
+        tails = [a for addrs in mine.values() for a in addrs]
+        if not tails:
+            return
+        rows = self.pool.residency(group, torch.tensor(tails)).tolist()
+        slot_of = dict(zip(tails, rows, strict=True))
+        assert all(s >= 0 for s in rows), "a written token is not in its request's buffer"
+        step = dict.fromkeys(STAT_COUNTERS, 0)
+        self._offload_prepare(group, mine, slot_of, step)
+        self.totals["victims"] += step["victims"]
 
     def prepare(self, group: int, entries: list[int], shape: tuple[int, ...], dtype: torch.dtype) -> None:
         topk = torch.tensor(entries, dtype=dtype).view(shape)
@@ -632,33 +651,35 @@ def test_offload_ratio_and_bytes_by_hand() -> None:
         assert (s["hits"], s["misses"], s["bytes_in"], s["victims"]) == (hits, misses, bytes_in, victims)
         assert s["bytes_out"] == 3 * 11 * W  # the eager backup: every written row once
 
+    # The writes put each request's last 4 tokens in its buffer, in both groups (a write counts
+    # no hit, miss or byte in): a holds A2 A3 A4 A5, b holds B1 B2 B3 B4 (least recent first).
     # bytes_in: a miss in group 0 brings 2 layers' rows, in group 1 one layer's.
-    check(buffered=0, hits=0, misses=0, bytes_in=0, victims=0)
-    pool.prepare(0, torch.tensor([[A[0], A[1], A[2], A[1]]]))  # 3 misses; LRU order A0 A1 A2
-    check(buffered=3, hits=0, misses=3, bytes_in=3 * 2 * W, victims=0)
-    # Group 1: a and b each fill their own buffer; duplicates across query positions count once.
+    check(buffered=16, hits=0, misses=0, bytes_in=0, victims=0)
+    pool.prepare(0, torch.tensor([[A[0], A[1], A[2], A[1]]]))  # A2 hits; A0 A1 miss, A3 A4 go
+    check(buffered=16, hits=1, misses=2, bytes_in=2 * 2 * W, victims=2)  # a, group 0: A5 A0 A1 A2
+    # Group 1: duplicates across query positions count once. a: A0 A1 miss, A2 A3 go;
+    # b: B0 misses, B1 hits, B2 goes.
     sel = pool.prepare(1, torch.tensor([[[A[0], A[1]], [-1, A[0]]], [[B[0], B[0]], [B[1], -1]]]))
-    check(buffered=3 + 4, hits=0, misses=7, bytes_in=4 * W + 3 * 2 * W, victims=0)
+    check(buffered=16, hits=2, misses=5, bytes_in=2 * 2 * W + 3 * W, victims=5)
     assert torch.equal(pool.gpu_buffer(2)[sel.slots[1, 1, 0].long()], rows[2][6 + 1])
-    # a in group 0: A2 hits, A3 A4 A5 miss; one slot is free, so the two least recent (A0, A1) go.
-    pool.prepare(0, torch.tensor([[A[3], A[2], A[4], A[5]]]))  # LRU order A3 A2 A4 A5
-    check(buffered=4 + 4, hits=1, misses=10, bytes_in=4 * W + 6 * 2 * W, victims=2)
+    pool.prepare(0, torch.tensor([[A[3], A[2], A[4], A[5]]]))  # A2 A5 hit; A3 A4 miss; A0 A1 go
+    check(buffered=16, hits=4, misses=7, bytes_in=4 * 2 * W + 3 * W, victims=7)  # A3 A2 A4 A5
     pool.prepare(0, torch.tensor([[A[0], A[5], -1, -1]]))  # A0 misses, A5 hits, A3 goes: A2 A4 A0 A5
-    check(buffered=4 + 4, hits=2, misses=11, bytes_in=4 * W + 7 * 2 * W, victims=3)
+    check(buffered=16, hits=5, misses=8, bytes_in=5 * 2 * W + 3 * W, victims=8)
     sel = pool.prepare(0, torch.tensor([[A[3], A[2], -1, -1]]))  # A3 misses, A2 hits, A4 goes
-    check(buffered=4 + 4, hits=3, misses=12, bytes_in=4 * W + 8 * 2 * W, victims=4)
+    check(buffered=16, hits=6, misses=9, bytes_in=6 * 2 * W + 3 * W, victims=9)
     # A write goes to the CPU at once (bytes_out) and refreshes the buffered copy in place.
     new = random_rows(99, 2, W)
     pool.write(0, torch.tensor([A[2], -1]), new)
     assert torch.equal(pool.gpu_buffer(0)[sel.slots[0, 1].long()], new[0])
     assert torch.equal(pool.read(0, torch.tensor([A[2]])), new[:1])
     s = pool.stats()
-    assert s["bytes_out"] == 3 * 11 * W + W and s["bytes_in"] == 4 * W + 8 * 2 * W
+    assert s["bytes_out"] == 3 * 11 * W + W and s["bytes_in"] == 6 * 2 * W + 3 * W and s["victims"] == 9
     assert pool.prepare(0, torch.tensor([[A[2]]])).slots[0, 0] == sel.slots[0, 1]
-    assert pool.stats()["hits"] == 4
-    pool.release(a)  # a's CPU rows and both its buffers go; b's stay
+    assert pool.stats()["hits"] == 7
+    pool.release(a)  # a's CPU rows and both its buffers go; b's stay (4 entries a group)
     s = pool.stats()
-    assert s["distinct_entries"] == groups * 5 and s["physical_slots_used"] == groups * 5 + 2
+    assert s["distinct_entries"] == groups * 5 and s["physical_slots_used"] == groups * 5 + 8
     pool.check_invariants()
 
 

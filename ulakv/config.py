@@ -227,7 +227,8 @@ class CPUOffloadBaseline:
     in ``cpu_slots`` CPU rows (every admitted token has one), and each of at most ``max_requests``
     requests a fixed GPU buffer of ``slots_per_request`` rows a layer group with its own exact
     LRU. GPU rows are copies: a miss copies the row in from the CPU, a victim is dropped, a write
-    goes to the CPU history at once (and refreshes a buffered copy).
+    goes to the CPU history at once and its token into the request's buffer as the most recent
+    entry (the last ``slots_per_request`` of a prefill).
 
     Admission capacity is ``cpu_slots`` tokens and ``max_requests`` requests; a ``prepare`` may
     select at most ``slots_per_request`` distinct addresses of one request in a group.

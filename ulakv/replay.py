@@ -258,19 +258,26 @@ class _OffloadModelTarget(_AddressBook):
         self.stats = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "victims"), 0)
         self.stats.update(victim_search_reads=-1, round_upkeep_reads=-1)
 
-    def _write(self, n: int) -> None:
-        self.stats["bytes_out"] += n * self.cfg.num_layers * self.cfg.entry.bytes_per_layer
+    def _write(self, key: int, addresses: list[int]) -> None:
+        """Backed up to the CPU at once; the last ``quota`` enter the request's buffers, one
+        round of each group's LRU that counts only its victims."""
+        self.stats["bytes_out"] += len(addresses) * self.cfg.num_layers * self.cfg.entry.bytes_per_layer
+        for model in self.models[key]:
+            self.stats["victims"] += len(model.prepare(addresses[-self.quota :])[2])
 
     def admit(self, key: int, n: int) -> list[int]:
         if len(self.models) == self.cfg.layout.max_requests:
             raise CapacityError("all per-request GPU buffers are in use")
         self.models[key] = [ExactLRUModel(self.quota) for _ in range(self.cfg.num_groups)]
-        self._write(n)
-        return self._admit(key, n)
+        addresses = self._admit(key, n)
+        self._write(key, addresses)
+        return addresses
 
     def extend(self, keys: list[int]) -> list[int]:
-        self._write(len(keys))
-        return self._extend(keys)
+        new = self._extend(keys)
+        for key, a in zip(keys, new, strict=True):
+            self._write(key, [a])
+        return new
 
     def prepare(self, group: int, rows: list[list[int]], keys: list[int]) -> None:
         row_bytes = len(self.cfg.group_layers(group)) * self.cfg.entry.bytes_per_layer

@@ -4,8 +4,9 @@
   to release. A write goes there at once (the eager backup), so the CPU copy is always complete.
 - Each request owns a fixed GPU buffer of ``slots_per_request`` rows a layer group with its own
   exact LRU, a ``BufferState`` run by the same kernels as a striped rank's buffer: a miss copies
-  the row in from the CPU, a victim is dropped (its CPU row is still there). GPU rows are copies,
-  so distinct entries / physical slots stays below 1, and an idle request's quota cannot be lent.
+  the row in from the CPU, a victim is dropped (its CPU row is still there), a written token
+  enters as the most recent entry. GPU rows are copies, so distinct entries / physical slots stays
+  below 1, and an idle request's quota cannot be lent.
 
 Selections are split by request on the host: every request present in a ``prepare`` runs its own
 buffer's plan and apply (3 launches) on its own elements, plus one gather per layer of its misses'
@@ -13,9 +14,9 @@ rows from the CPU. The baseline reads back on the host every call (validation, t
 order) and copies a write's rows to host memory at once; it is a comparison point for capacity,
 hit rate and bytes moved, not for launch counts or host syncs.
 
-Left out on purpose: HiSparse also places a new token in its request's GPU buffer when it is
-written; here a new token enters the buffer when first selected (one extra fetch per selected new
-token: at most 1 in 2048 selected entries a step).
+Written tokens enter their request's buffer as its most recent entries (the last
+``slots_per_request`` of a prefill), as HiSparse writes new KV on the GPU; so the next steps find
+the local window there.
 """
 
 from __future__ import annotations
@@ -241,14 +242,16 @@ class OffloadPool(PoolFrame):
         self._check_device("write: rows", rows)
         flat = addrs.to(torch.int64)
         self._check_live("write", flat, padding=True, unique=True)
-        N, Q = self.capacity, self.config.layout.slots_per_request
+        Q = self.config.layout.slots_per_request
         valid = flat >= 0
+        kept = flat[valid]  # padding rows are dropped
         history = self._history[layer]
-        at = torch.where(valid, flat, N)  # padding rows land on the zero row's place, never read
-        history.index_copy_(0, at.to(history.device), rows.to(history.device))
-        self._bytes_backed_up += int(valid.sum()) * W
+        history.index_copy_(0, kept.to(history.device), rows[valid].to(history.device))
+        self._bytes_backed_up += kept.numel() * W
         g = self.config.group_of(layer)
-        self._homed[g, flat[valid]] = True
+        self._homed[g, kept] = True
+        if layer == self.config.group_layers(g).start and kept.numel():
+            self._insert(g, kept)
         owner = torch.where(valid, self._request_of[flat.clamp(min=0)], -1)
         dummy = self._rows.shape[1] - 1
         for r in self._seqs:
@@ -257,7 +260,42 @@ class OffloadPool(PoolFrame):
             self._rows[layer].index_copy_(0, torch.where(cached, r * (Q + 1) + held.long(), dummy), rows)
         self._after_call()
 
+    def _insert(self, group: int, addrs: torch.Tensor) -> None:
+        """Written tokens enter their request's GPU buffer as its most recent entries (HiSparse
+        writes a new token's KV on the GPU): the last ``slots_per_request`` of each request's
+        addresses, as one round of its LRU (victims dropped). A write is not a selection: the
+        round's hit, miss and bytes-in counters are taken back (the rows come from the history
+        here only because this model has no attention kernel writing them on the GPU)."""
+        Q = self.config.layout.slots_per_request
+        owner = self._request_of[addrs].long()
+        counted = [int(K.S_HITS), int(K.S_MISSES), int(K.S_BYTES_IN)]
+        layers = self.config.group_layers(group)
+        for r, n in enumerate(torch.bincount(owner, minlength=len(self._buffers)).tolist()):
+            if n == 0:
+                continue
+            layout = self._buffers[r]
+            before = layout.state.stats[counted].clone()
+            plan, launches = layout.plan(group, addrs[owner == r][-Q:].contiguous())
+            self._launches += launches
+            self._launches += layout.execute(plan, fetched=self._fetch(plan, layers))
+            layout.state.stats[counted] = before
+
     # -- slow paths ------------------------------------------------------------------------------
+    def residency(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
+        """Row of ``gpu_buffer(layer)`` holding each address's copy in ``group`` (its request's
+        buffer), -1 where only the CPU history holds it."""
+        self._check_group(group)
+        flat = addrs.reshape(-1).to(torch.int64).to(self.device)
+        self._check_live("residency", flat)
+        Q = self.config.layout.slots_per_request
+        out = torch.full(flat.shape, -1, dtype=torch.int32, device=self.device)
+        owner = self._request_of[flat]
+        for r in self._seqs:
+            held = self._buffers[r].state.mapping[group, flat]
+            mine = (owner == r) & (held >= 0) & (held < Q)
+            out = torch.where(mine, (r * (Q + 1) + held).to(torch.int32), out)
+        return out
+
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
         """The bytes of ``addrs`` in ``layer``: the CPU history always holds the latest."""
         self._check_layer(layer)
