@@ -34,9 +34,19 @@ def test_plan_explains_its_assumptions_and_bytes(capsys, tmp_path) -> None:
     assert figure.read_bytes().startswith(PNG)
 
 
-def test_plan_refuses_unknown_choices(capsys) -> None:
-    assert main(["plan", "--gpu", "a100"]) == 2
-    assert "pick from" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["plan", "--gpu", "a100"], "pick from"),
+        (["plan", "--world", "0"], "--world"),
+        (["plan", "--mem-fraction", "1.5"], "--mem-fraction"),
+        (["replay", "--capacities", "0,x"], "--capacities"),
+    ],
+    ids=["gpu", "world", "fraction", "capacities"],
+)
+def test_bad_arguments_are_refused_clearly(capsys, args, says) -> None:
+    assert main(args) == 2
+    assert says in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

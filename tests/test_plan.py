@@ -84,13 +84,24 @@ def test_every_number_fits_its_budgets(published) -> None:
     assert all(r["breakdown"]["metadata_gb"] > 0 for r in published if r["system"] == "ulakv")
 
 
+@pytest.mark.parametrize(
+    ("gpu", "mode", "spec"), [("h200", "TP", True), ("b300", "DP", False), ("b300", "TP", True)]
+)
+def test_every_system_fits_its_budgets_to_the_byte(gpu, mode, spec) -> None:
+    sc = Scenario(MODELS["glm-5.3"], HARDWARE[gpu], mode, spec, shape=SHAPE[spec])
+    for name, p in plan(sc).systems.items():
+        b = p.bytes_per_gpu
+        assert 0 < b.gpu <= sc.kv_budget(), name
+        assert b.cpu <= sc.hardware.cpu_bytes, name
+
+
 def test_gpu_only_tp_matches_an_independent_count() -> None:
     """Replicated KV: every rank holds every request, so the count is how many of the stream's
     requests fit one GPU's KV budget, whatever the world size."""
     sc = Scenario(MODELS["glm-5.3"], HARDWARE["h200"], "TP", True, shape=SHAPE[True])
     got = plan(sc, systems=("gpu_only",)).systems["gpu_only"].admitted
     per_token = sc.model.kv_layers(True) * 656 + sc.model.index_layers(True) * 132
-    slots = sc.kv_budget() // per_token
+    slots = (sc.kv_budget() - per_token) // per_token  # each pool keeps one dummy row a layer
     lengths = Workload().lengths(0, 100)
     fits = next(n for n in range(101) if sum(lengths[: n + 1]) > slots)
     assert got == fits

@@ -146,7 +146,17 @@ class LogicalAllocator:
         return taken
 
     def give_back(self, runs) -> None:
-        """Return addresses (runs or ints) taken earlier."""
+        """Return addresses (runs or ints) taken earlier; refuses, changing nothing, addresses
+        out of range, given twice, or already free."""
+        runs = list(runs)
         back = runs_of(runs)
-        self._runs = runs_of(self._runs + back)
+        given = sum(len(r) if isinstance(r, range) else 1 for r in runs)
+        merged = runs_of(self._runs + back)
+        if (
+            (back and (back[0].start < 0 or back[-1].stop > self.capacity))
+            or given != count(back)  # an address twice in what is given back
+            or count(merged) != self._free + count(back)  # one that is free already
+        ):
+            raise InvalidAddressError("give_back: addresses out of range, repeated, or already free")
+        self._runs = merged
         self._free += count(back)

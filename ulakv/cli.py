@@ -26,8 +26,18 @@ def _gb(n: float) -> str:
     return f"{n:8.1f}"
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    if getattr(args, "world", 1) < 1:
+        raise argparse.ArgumentTypeError("--world: at least 1")
+    if not 0 < getattr(args, "mem_fraction", 0.5) <= 1:
+        raise argparse.ArgumentTypeError("--mem-fraction: a fraction in (0, 1]")
+    if getattr(args, "quota", 1) < 1:
+        raise argparse.ArgumentTypeError("--quota: at least 1")
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    gpus = _choices(args.gpu, list(HARDWARE), "--gpu")
+    _check_numbers(args)
+    gpus = _choices(args.gpu.lower(), list(HARDWARE), "--gpu")
     modes = [m.upper() for m in _choices(args.mode.upper(), ["TP", "DP"], "--mode")]
     specs = [s == "on" for s in _choices(args.spec, ["on", "off"], "--spec")]
     shapes = {spec: default_selection_shape(spec, args.world) for spec in set(specs)}
@@ -55,9 +65,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
+    common = plans[0].scenario.assumptions()
     if args.explain:
-        print("Assumptions (value, source):")
-        for what, value, source in plans[0].scenario.assumptions():
+        print("Assumptions (value, source); each configuration below lists those it changes:")
+        for what, value, source in common:
             print(f"  {what:28s} {value:40s} {source}")
         print()
     header = f"{'config':22s} " + " ".join(f"{s:>12s}" for s in SYSTEMS) + "   ulakv / best baseline"
@@ -70,6 +81,9 @@ def run_plan(args: argparse.Namespace) -> int:
         ratio = f"{n['ulakv'] / best:.2f}x" if best else "inf"
         print(f"{name:22s} " + " ".join(f"{n[s]:12d}" for s in n) + f"   {ratio:>10s}")
         if args.explain:
+            for what, value, source in p.scenario.assumptions():
+                if (what, value, source) not in common:
+                    print(f"    {what:26s} {value:40s} {source}")
             _explain(p)
     return 0
 
@@ -151,7 +165,13 @@ def run_replay(args: argparse.Namespace) -> int:
     working = trace.working_set()
     alive, per_request = _concurrency(trace)
     total = sum(r.prompt_len + r.steps for r in trace.requests)
-    capacities = [float(c) for c in args.capacities.split(",")]
+    _check_numbers(args)
+    try:
+        capacities = [float(c) for c in args.capacities.split(",")]
+    except ValueError:
+        capacities = []
+    if not capacities or min(capacities) <= 0:
+        raise argparse.ArgumentTypeError("--capacities: positive multiples, comma-separated (e.g. 1,2,4)")
     policies = [ExactLRU(), PBLRU(args.buckets)]
 
     runs = []  # (x, gpu_slots, label, policy, layout or None, backend)

@@ -194,8 +194,9 @@ class Replicated:
 
     A pool built from it is one rank's replica (every rank receives the same calls and rows, so
     the replicas stay equal without communication). Admission capacity is ``gpu_slots``, not
-    ``world x gpu_slots``; ``stats()`` counts the physical slots of all ``world`` replicas, so
-    distinct entries / physical slots is ``1 / world``.
+    ``world x gpu_slots``; ``stats()["physical_slots_used"]`` counts the slots of all ``world``
+    replicas, so distinct entries / physical slots is ``1 / world`` (``gpu_slots_used``: this
+    replica's).
     """
 
     world: int

@@ -38,6 +38,7 @@ import torch
 
 from .config import PBLRU, CPUOffloadBaseline, EntrySpec, PoolConfig, Replicated, Striped, Tiered
 from .errors import CapacityError
+from .layouts.striped import fetch_scratch_bytes
 
 GB = 10**9
 
@@ -279,7 +280,11 @@ class Scenario:
         shape = self.shape
         rows = [
             ("model", m.name, m.source),
-            ("KV layers", f"{m.kv_layers(self.spec)} (MTP layer {'on' if self.spec else 'off'})", m.source),
+            (
+                "KV layers",
+                f"{m.kv_layers(self.spec)} (MTP layer {'on' if self.spec else 'off'})",
+                "one latent row a layer; the MTP layer that drafts keeps KV of its own",
+            ),
             ("latent bytes a token-layer", str(m.latent_bytes), "FP8: 512 fp8 + 4 fp32 scales + 64 bf16"),
             (
                 "index-key layers",
@@ -292,7 +297,8 @@ class Scenario:
             (
                 "static memory fraction",
                 f"{self.mem_fraction_static}",
-                "SGLang's mem_fraction_static (weights + KV); the rest is activations, CUDA graphs, NCCL",
+                "SGLang's mem_fraction_static covers weights + KV (its heuristic gives about 0.85-0.9 on "
+                "141-288 GB GPUs; --mem-fraction to change); the rest: activations, CUDA graphs, NCCL",
             ),
             (
                 "weights a GPU",
@@ -306,14 +312,18 @@ class Scenario:
                 f"tokens, seed {wl.seed}",
                 "the published workload (Multi-LexSum, 64K-128K inputs)",
             ),
-            ("CPU-offload GPU quota", f"{self.slots_per_request} entries a request and layer", "HiSparse"),
+            (
+                "CPU-offload GPU quota",
+                f"{self.slots_per_request} entries a request and layer",
+                "HiSparse's per-request GPU buffer (2 x top-k 2048); it must hold a step's union",
+            ),
         ]
         if shape is not None:
             rows.append(
                 (
                     "step working set",
-                    f"union {shape.union:.3f} x top-k {m.topk} a request and group; largest home share "
-                    f"{shape.home_share:.3f}",
+                    f"union {max(1.0, shape.union):.3f} x top-k {m.topk} a request and group; largest "
+                    f"home share {shape.home_share:.3f}",
                     shape.source,
                 )
             )
@@ -488,7 +498,9 @@ class _Planner:
         self.index_row = self.index_layers * m.index_key_bytes
         shape = sc.shape or default_selection_shape(sc.spec, sc.world, m.topk)
         self.shape = shape
-        self.union = math.ceil(shape.union * m.topk)  # distinct entries a request selects in a group
+        # Distinct entries a request selects in a group: a real indexer picks exactly top-k, so at
+        # least that many (a synthetic trace may pad a few duplicates with -1).
+        self.union = math.ceil(max(1.0, shape.union) * m.topk)
 
     def latent_config(self, layout) -> PoolConfig:
         return PoolConfig(
@@ -521,19 +533,24 @@ class _Planner:
         from .pool import Pool
 
         sc = self.sc
-        per_token = self.latent_row + self.index_row  # baselines: KV rows only
-        slots = sc.kv_budget() // per_token
+
+        def build(slots: int) -> tuple[object, object, object]:
+            # TP: every rank a replica of the whole batch's KV; DP: each rank a GPU-only pool.
+            tp = sc.mode == "TP"
+            layout = Replicated(world=sc.world, gpu_slots=slots) if tp else Tiered(gpu_slots=slots)
+            return layout, Pool(self.latent_config(layout)), Pool(self.index_config(layout))
+
+        def charged(latent, index) -> Bytes:  # the baseline's rows only, which flatters it
+            index_rows = pool_bytes(index, index=True).gpu_index
+            return Bytes(gpu_rows=pool_bytes(latent).gpu_rows, gpu_index=index_rows)
+
+        slots = _fit_slots(build, sc.kv_budget(), lambda built: charged(*built[1:]).gpu)
         if slots < 1:
             return False, Bytes(), [], "weights leave no KV memory"
-        # TP: every rank a replica of the whole batch's KV; DP: each rank a GPU-only pool of its own.
-        layout = Replicated(world=sc.world, gpu_slots=slots) if sc.mode == "TP" else Tiered(gpu_slots=slots)
-        latent = Pool(self.latent_config(layout))
-        index = Pool(self.index_config(layout))
-        b = pool_bytes(latent) + pool_bytes(index, index=True)
-        charged = Bytes(gpu_rows=b.gpu_rows, gpu_index=b.gpu_index)  # rows only: flatters the baseline
+        layout, latent, index = build(slots)
         pools = [f"latent: {layout}", "index keys: the same slots"]
         ok = _admits([latent, index], self.lengths(stream, n))
-        return ok, charged, pools, "GPU KV memory"
+        return ok, charged(latent, index), pools, "GPU KV memory"
 
     def cpu_offload(self, stream: int, n: int):
         from .pool import Pool
@@ -617,11 +634,13 @@ class _Planner:
             _reserve(pool, n * sc.queries * sc.model.topk)
             return pool
 
-        gpu_slots = _fit_slots(build, sc.kv_budget() - index_bytes.gpu, lambda p: pool_bytes(p).gpu)
+        scratch = fetch_scratch_bytes(build(1).config, per_home)  # every row a home serves missed
+        gpu_slots = _fit_slots(build, sc.kv_budget() - index_bytes.gpu - scratch, lambda p: pool_bytes(p).gpu)
         if gpu_slots < per_home:
             return False, index_bytes, [], "GPU memory (the buffer and one step's share)"
         latent = build(gpu_slots)
         b = pool_bytes(latent) + index_bytes
+        b.gpu_meta += scratch
         pools = [
             f"latent: Striped(world={world}, buffer_slots={working}, inner=Tiered(gpu_slots={gpu_slots}, "
             f"cpu_slots={cpu_rows}, staging_slots={per_home}))",
@@ -667,6 +686,9 @@ class ScenarioPlan:
                 row["breakdown"] = {k: round(v, 3) for k, v in plan.breakdown(self.scenario).items()}
                 row["pools"] = plan.pools
                 row["limit"] = plan.limit
+                row["assumptions"] = [
+                    {"what": w, "value": v, "source": s} for w, v, s in self.scenario.assumptions()
+                ]
             out.append(row)
         return out
 

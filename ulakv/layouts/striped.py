@@ -45,6 +45,16 @@ from .tiered import BufferState, TieredLayout
 _ids = itertools.count(1 << 20)
 
 
+def fetch_scratch_bytes(config: PoolConfig, misses_per_home: int) -> int:
+    """GPU bytes one ``prepare`` allocates to fetch up to ``misses_per_home`` rows from each home
+    (kept beside ``_fetch_and_apply``, which allocates them; the capacity planner charges them):
+    the rows this rank sends, every rank's after the all-gather, and the fetched rows in miss order,
+    each row every layer of the longest group."""
+    world = config.layout.world
+    row = config.layers_per_group * config.entry.bytes_per_layer
+    return (1 + 2 * world) * misses_per_home * row
+
+
 class StripedPool(PoolFrame):
     """A rank's part of a ``Striped`` pool; every rank calls the same methods with the same
     arguments in the same order (DESIGN section 6). Built by ``Pool(config)``."""
@@ -174,6 +184,7 @@ class StripedPool(PoolFrame):
         if T == 0:
             return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
         layers = self.config.group_layers(group)
+        self._check_live("prepare", flat)  # bad addresses first, on every rank alike
         self._check_per_home(flat)
         plan, _ = self._buffer_layout.plan(group, flat)
         status = int(self._buffer.ctl[int(K.E_LAST_STATUS)])
@@ -237,11 +248,13 @@ class StripedPool(PoolFrame):
                 (width, len(layers), self._rows.shape[2]), dtype=torch.uint8, device=self.device
             )
             send[: ours.numel()] = self._rows[layers.start : layers.stop][:, slots_here].permute(1, 0, 2)
-            gathered = [torch.empty_like(send) for _ in range(self.world)]
-            self._collective("the all-gather of missed rows", dist.all_gather, gathered, send)
+            # One tensor for every rank's rows (views of it are the all-gather's outputs): no copy
+            # to stack them. Peak: send + world x send + the fetched rows (fetch_scratch_bytes).
+            gathered = torch.empty((self.world, *send.shape), dtype=send.dtype, device=send.device)
+            self._collective("the all-gather of missed rows", dist.all_gather, list(gathered.unbind(0)), send)
             self.bytes_received += (self.world - 1) * send.numel()
             rank_in_home = (onehot.long().cumsum(0) - 1).gather(1, home[:, None]).flatten()
-            fetched = torch.stack(gathered)[home, rank_in_home].contiguous()
+            fetched = gathered[home, rank_in_home]
         self._buffer_layout.execute(plan, fetched=K.as_words(fetched) if fetched is not None else sc.victims)
         slots = torch.where(mine, inner_slots, torch.where(flat >= 0, self._offset + plan.slots, -1))
         return Selection(group, slots.to(torch.int32).view(topk.shape))
