@@ -224,6 +224,7 @@ def _bad_input_everywhere(rank: int, world: int) -> int:
         (lambda: pool.read(0, torch.tensor([10**6])), InvalidAddressError),
         (lambda: pool.prepare(-1, seq.addresses.view(1, 6)), InvalidInputError),
         (lambda: pool.prepare(0, seq.addresses.view(1, 6).float()), InvalidInputError),
+        (lambda: pool.prepare(0, torch.tensor([[0, -1, 10**6]])), InvalidAddressError),  # with padding
     ):
         with pytest.raises(error):
             call()
@@ -236,7 +237,7 @@ def _bad_input_everywhere(rank: int, world: int) -> int:
 
 
 def test_bad_input_is_refused_on_every_rank() -> None:
-    assert run_ranks(_bad_input_everywhere, 2) == [5, 5]
+    assert run_ranks(_bad_input_everywhere, 2) == [6, 6]
 
 
 def test_a_stalled_rank_is_a_clear_error_not_a_hang() -> None:

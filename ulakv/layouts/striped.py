@@ -333,7 +333,7 @@ class StripedPool(PoolFrame):
         mapping of them), so all ranks refuse the same calls."""
         flat = addrs.reshape(-1).to(torch.int64)
         used = flat[flat >= 0]
-        if bool(((used >= self.capacity) | (flat < -1)).any()):
+        if bool((used >= self.capacity).any()) or bool((flat < -1).any()):
             raise InvalidAddressError(f"{what}: addresses out of range [0, {self.capacity})")
         if bool((self._buffer.mapping[0, used] == -1).any()):
             raise InvalidAddressError(f"{what}: addresses not live (released or never admitted)")
