@@ -60,6 +60,28 @@ class PoolFrame:
         if not same_device(t, self.device):
             raise InvalidInputError(f"{what} is on {t.device}, the pool on {self.device}")
 
+    def _check_write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """A write's layer, addresses (int32/int64 ``[n]``) and rows (uint8 ``[n, bytes]``)."""
+        self._check_layer(layer)
+        self._need_kernels("write")
+        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError("write: addrs must be an int32 or int64 tensor")
+        if addrs.dim() != 1:
+            raise InvalidInputError(f"write: addrs must be 1-D, got shape {tuple(addrs.shape)}")
+        width = self.config.entry.bytes_per_layer
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8:
+            got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise InvalidInputError(
+                f"write: rows must be uint8 [n, {width}] (view other dtypes with .view(torch.uint8)), "
+                f"got {got}"
+            )
+        if rows.shape != (addrs.numel(), width):
+            raise InvalidInputError(
+                f"write: rows must have shape ({addrs.numel()}, {width}), got {tuple(rows.shape)}"
+            )
+        self._check_device("write: addrs", addrs)
+        self._check_device("write: rows", rows)
+
     def _check_seq(self, seq: Sequence) -> None:
         if not isinstance(seq, Sequence) or seq.pool_id != self._id:
             raise InvalidAddressError("the sequence does not belong to this pool")

@@ -224,25 +224,7 @@ class Pool(PoolFrame):
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Store ``rows`` (uint8 ``[n, bytes_per_layer]``) as layer ``layer`` of ``addrs``
         (``[n]``, -1 = padding row). New entries get a home in the layer's group."""
-        self._check_layer(layer)
-        self._need_kernels("write")
-        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError("write: addrs must be an int32 or int64 tensor")
-        if addrs.dim() != 1:
-            raise InvalidInputError(f"write: addrs must be 1-D, got shape {tuple(addrs.shape)}")
-        width = self.config.entry.bytes_per_layer
-        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8:
-            got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
-            raise InvalidInputError(
-                f"write: rows must be uint8 [n, {width}] (view other dtypes with .view(torch.uint8)), "
-                f"got {got}"
-            )
-        if rows.shape != (addrs.numel(), width):
-            raise InvalidInputError(
-                f"write: rows must have shape ({addrs.numel()}, {width}), got {tuple(rows.shape)}"
-            )
-        self._check_device("write: addrs", addrs)
-        self._check_device("write: rows", rows)
+        self._check_write(layer, addrs, rows)
         self._finish_pending()
         if addrs.numel() == 0:
             return

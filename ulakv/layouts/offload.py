@@ -228,18 +228,8 @@ class OffloadPool(PoolFrame):
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Store ``rows`` in the CPU history at once (the eager backup; counted in ``bytes_out``)
         and refresh any buffered GPU copy. ``-1`` addresses are padding rows."""
-        self._check_layer(layer)
-        self._need_kernels("write")
-        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError("write: addrs must be an int32 or int64 tensor")
-        if addrs.dim() != 1:
-            raise InvalidInputError(f"write: addrs must be 1-D, got shape {tuple(addrs.shape)}")
+        self._check_write(layer, addrs, rows)
         W = self.config.entry.bytes_per_layer
-        shaped = isinstance(rows, torch.Tensor) and rows.shape == (addrs.numel(), W)
-        if not shaped or rows.dtype != torch.uint8:
-            raise InvalidInputError(f"write: rows must be uint8 [{addrs.numel()}, {W}]")
-        self._check_device("write: addrs", addrs)
-        self._check_device("write: rows", rows)
         flat = addrs.to(torch.int64)
         self._check_live("write", flat, padding=True, unique=True)
         Q = self.config.layout.slots_per_request
