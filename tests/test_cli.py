@@ -100,3 +100,18 @@ def test_replay_prints_a_table(capsys) -> None:
     assert main(["replay", *TINY, "--capacities", "1.5", "--striped-world", "0", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "Belady" in out and "distinct/physical" in out and "MB in/step" in out
+
+
+def test_plan_measures_the_working_set_on_a_given_trace(capsys, tmp_path) -> None:
+    """A trace whose query positions overlap little has a larger union: fewer requests fit
+    ulakv's buffers, and the plan says where its number came from."""
+    from ulakv.traces import SyntheticSpec, synthetic
+
+    path = tmp_path / "wide.pt"
+    synthetic(SyntheticSpec(requests=2, prompt=(3000, 4000), steps=3, topk=256, query_overlap=0.0)).save(path)
+    args = ["plan", "--gpu", "h200", "--mode", "TP", "--spec", "on", "--explain", "--trace", str(path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"measured on trace {path}" in out
+    union = float(out.split("step working set")[1].split("union ")[1].split(" ")[0])
+    assert union > 1.5  # three query positions that share no far picks

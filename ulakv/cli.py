@@ -9,7 +9,15 @@ import math
 import sys
 from collections.abc import Sequence
 
-from .plan import HARDWARE, MODELS, SYSTEMS, Scenario, default_selection_shape, plan
+from .plan import (
+    HARDWARE,
+    MODELS,
+    SYSTEMS,
+    Scenario,
+    default_selection_shape,
+    measure_selection_shape,
+    plan,
+)
 
 # -- ulakv plan ---------------------------------------------------------------------------------
 
@@ -40,7 +48,12 @@ def run_plan(args: argparse.Namespace) -> int:
     gpus = _choices(args.gpu.lower(), list(HARDWARE), "--gpu")
     modes = [m.upper() for m in _choices(args.mode.upper(), ["TP", "DP"], "--mode")]
     specs = [s == "on" for s in _choices(args.spec, ["on", "off"], "--spec")]
-    shapes = {spec: default_selection_shape(spec, args.world) for spec in set(specs)}
+    if args.trace or args.sglang:  # the working set measured on the user's own selections
+        trace, described = _load_trace(args)
+        measured = measure_selection_shape(trace, args.world, f"measured on {described}")
+        shapes = dict.fromkeys(specs, measured)
+    else:
+        shapes = {spec: default_selection_shape(spec, args.world) for spec in set(specs)}
     plans = []
     for gpu in gpus:
         for mode in modes:
@@ -331,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='a list of {"gpu","mode","spec","system","admitted"}')
     p.add_argument("--explain", action="store_true", help="assumptions with sources, bytes per GPU")
     p.add_argument("--plot", metavar="FILE.png", help="admitted requests as grouped bars")
+    p.add_argument(
+        "--trace", metavar="FILE", help="measure one step's working set on this saved trace (Trace.save)"
+    )
+    p.add_argument("--sglang", metavar="FILE", help="... or on torch.save'd SGLang indexer_topk tensors")
     p.set_defaults(run=run_plan)
 
     r = sub.add_parser("replay", help="a selection trace through every policy and layout")
