@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 
 import pytest
 
@@ -154,9 +153,10 @@ def test_largest_finds_the_edge() -> None:
         assert _largest(lambda n, e=edge: n <= e) == edge
 
 
-def test_meta_pools_cost_no_memory_and_little_time() -> None:
-    start = time.perf_counter()
+def test_meta_pools_admit_hundreds_of_long_requests() -> None:
+    """B300 TP: every candidate batch builds a striped meta pool and admits up to hundreds of
+    66K-133K-token requests into it (runs of addresses, shape-only tensors)."""
     scenarios = published_scenarios()
     assert len(scenarios) == 8
-    plan(scenarios[4], systems=("ulakv",))  # B300 TP: hundreds of 66K-133K-token requests
-    assert time.perf_counter() - start < 60
+    p = plan(scenarios[4], systems=("ulakv",)).systems["ulakv"]
+    assert p.admitted > 300 and p.bytes_per_gpu.gpu_rows > 50 * GB

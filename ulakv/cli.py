@@ -172,7 +172,7 @@ def _concurrency(trace) -> tuple[int, int]:
 
 def run_replay(args: argparse.Namespace) -> int:
     from .config import PBLRU, CPUOffloadBaseline, ExactLRU, Replicated, Tiered
-    from .replay import replay
+    from .replay import policy_name, replay
 
     trace, described = _load_trace(args)
     working = trace.working_set()
@@ -191,7 +191,7 @@ def run_replay(args: argparse.Namespace) -> int:
     for x in capacities:
         slots = max(1, math.ceil(x * working))
         for policy in policies:
-            runs.append((x, slots, f"ulakv, {_policy(policy)}", policy, None, args.backend))
+            runs.append((x, slots, f"ulakv, {policy_name(policy)}", policy, None, args.backend))
         quota = slots // alive
         offload = (
             CPUOffloadBaseline(cpu_slots=total, slots_per_request=quota, max_requests=alive)
@@ -298,12 +298,6 @@ def _striped_replay(rank: int, world: int, trace, buffer: int, buckets: int) -> 
         "physical": result.peak_physical_slots,
         "fetched_per_step": result.pool_stats["bytes_communicated"] / result.steps,
     }
-
-
-def _policy(policy) -> str:
-    from .replay import policy_name
-
-    return policy_name(policy)
 
 
 def _row(x: float, slots: int, label: str, result) -> dict:

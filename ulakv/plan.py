@@ -563,14 +563,10 @@ class _Planner:
         latent = Pool(self.latent_config(lay))
         lengths = self.lengths(stream, n)
         index_slots = sum(lengths)
-        index = Pool(self.index_config(Replicated(world=1, gpu_slots=index_slots)))
+        index = Pool(self.index_config(Tiered(gpu_slots=index_slots)))
         b = pool_bytes(latent) + pool_bytes(index, index=True)
         charged = Bytes(gpu_buffers=b.gpu_buffers, gpu_index=b.gpu_index, cpu_rows=b.cpu_rows)
-        pools = [
-            f"latent: CPUOffloadBaseline(cpu_slots={history}, slots_per_request={sc.slots_per_request}, "
-            f"max_requests={n})",
-            f"index keys: GPU only, {index_slots} slots",
-        ]
+        pools = [f"latent: {lay}", f"index keys: GPU only, {index_slots} slots"]
         if charged.gpu > sc.kv_budget():
             return False, charged, pools, "GPU memory (per-request buffers and index keys)"
         return _admits([latent, index], lengths), charged, pools, "CPU memory (full history)"
@@ -601,11 +597,7 @@ class _Planner:
             return False, index_bytes, [], "GPU memory (one step's working set)"
         latent = build(gpu_slots)
         b = pool_bytes(latent) + index_bytes
-        pools = [
-            f"latent: Tiered(gpu_slots={gpu_slots}, cpu_slots={cpu_rows}, policy={sc.policy}, "
-            f"staging_slots={working})",
-            f"index keys: Tiered(gpu_slots={sum(lengths)})",
-        ]
+        pools = [f"latent: {latent.config.layout}", f"index keys: {index.config.layout}"]
         return _admits([latent, index], lengths), b, pools, "GPU + CPU memory"
 
     def _striped(self, stream: int, n: int):
@@ -641,11 +633,7 @@ class _Planner:
         latent = build(gpu_slots)
         b = pool_bytes(latent) + index_bytes
         b.gpu_meta += scratch
-        pools = [
-            f"latent: Striped(world={world}, buffer_slots={working}, inner=Tiered(gpu_slots={gpu_slots}, "
-            f"cpu_slots={cpu_rows}, staging_slots={per_home}))",
-            f"index keys: Striped(world={world}), {index_slice} a rank",
-        ]
+        pools = [f"latent: {latent.config.layout}", f"index keys: {index.config.layout}"]
         return _admits([latent, index], lengths), b, pools, "GPU + CPU memory of all ranks"
 
     def run(self, system: str) -> SystemPlan:
