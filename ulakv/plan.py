@@ -577,64 +577,59 @@ class _Planner:
     def _tiered(self, stream: int, n: int):
         from .pool import Pool
 
-        sc = self.sc
         lengths = self.lengths(stream, n)
         working = n * self.union  # distinct entries one group-step brings to the GPU
         index = Pool(self.index_config(Tiered(gpu_slots=max(1, sum(lengths)))))
-        index_bytes = pool_bytes(index, index=True)
-        cpu_rows = sc.hardware.cpu_bytes // self.latent_row - 1 - working  # staging rows come off it
-        if cpu_rows < 1:
-            return False, index_bytes, [], "CPU memory (staging rows)"
-
-        def build(gpu_slots: int):
-            lay = Tiered(gpu_slots=gpu_slots, cpu_slots=cpu_rows, policy=sc.policy, staging_slots=working)
-            pool = Pool(self.latent_config(lay))
-            _reserve(pool, n * sc.queries * sc.model.topk)
-            return pool
-
-        gpu_slots = _fit_slots(build, sc.kv_budget() - index_bytes.gpu, lambda p: pool_bytes(p).gpu)
-        if gpu_slots < working:
-            return False, index_bytes, [], "GPU memory (one step's working set)"
-        latent = build(gpu_slots)
-        b = pool_bytes(latent) + index_bytes
-        pools = [f"latent: {latent.config.layout}", f"index keys: {index.config.layout}"]
-        return _admits([latent, index], lengths), b, pools, "GPU + CPU memory"
+        return self._fit_ulakv(n, lengths, index, staging=working, need=working, wrap=lambda t: t)
 
     def _striped(self, stream: int, n: int):
         from .pool import Pool
 
-        sc, world = self.sc, self.sc.world
+        world = self.sc.world
         lengths = self.lengths(stream, n)
         working = n * self.union
-        per_home = math.ceil(working * self.shape.home_share)
+        per_home = math.ceil(working * self.shape.home_share)  # what one slice brings in a step
         # Each request's run of addresses puts at most ceil(length / world) on one rank.
         index_slice = max(1, sum(-(-x // world) for x in lengths))
-        index = Pool(
-            self.index_config(
-                Striped(world=world, rank=0, buffer_slots=1, inner=Tiered(gpu_slots=index_slice))
-            )
-        )
+        index_layout = Striped(world=world, rank=0, buffer_slots=1, inner=Tiered(gpu_slots=index_slice))
+        index = Pool(self.index_config(index_layout))
+
+        def wrap(inner: Tiered) -> Striped:
+            return Striped(world=world, rank=0, buffer_slots=working, policy=self.sc.policy, inner=inner)
+
+        return self._fit_ulakv(n, lengths, index, staging=per_home, need=per_home, wrap=wrap, striped=True)
+
+    def _fit_ulakv(self, n, lengths, index, *, staging: int, need: int, wrap, striped: bool = False):
+        """ulakv's latent pool beside ``index``: a ``Tiered`` slice (``wrap`` makes it a striped
+        rank's) with ``staging`` CPU rows taken off the CPU budget and as many GPU slots as the
+        rest of the GPU budget buys; feasible if a step's ``need`` fits and every request is
+        admitted."""
+        from .pool import Pool
+
+        sc = self.sc
         index_bytes = pool_bytes(index, index=True)
-        cpu_rows = sc.hardware.cpu_bytes // self.latent_row - 1 - per_home
+        cpu_rows = sc.hardware.cpu_bytes // self.latent_row - 1 - staging
         if cpu_rows < 1:
             return False, index_bytes, [], "CPU memory (staging rows)"
 
         def build(gpu_slots: int):
-            inner = Tiered(gpu_slots=gpu_slots, cpu_slots=cpu_rows, policy=sc.policy, staging_slots=per_home)
-            lay = Striped(world=world, rank=0, buffer_slots=working, policy=sc.policy, inner=inner)
-            pool = Pool(self.latent_config(lay))
+            inner = Tiered(gpu_slots=gpu_slots, cpu_slots=cpu_rows, policy=sc.policy, staging_slots=staging)
+            pool = Pool(self.latent_config(wrap(inner)))
             _reserve(pool, n * sc.queries * sc.model.topk)
             return pool
 
-        scratch = fetch_scratch_bytes(build(1).config, per_home)  # every row a home serves missed
+        # A striped prepare's collective buffers, when every row a home serves missed.
+        scratch = fetch_scratch_bytes(build(1).config, need) if striped else 0
         gpu_slots = _fit_slots(build, sc.kv_budget() - index_bytes.gpu - scratch, lambda p: pool_bytes(p).gpu)
-        if gpu_slots < per_home:
-            return False, index_bytes, [], "GPU memory (the buffer and one step's share)"
+        if gpu_slots < need:
+            what = "the buffer and one step's share" if striped else "one step's working set"
+            return False, index_bytes, [], f"GPU memory ({what})"
         latent = build(gpu_slots)
         b = pool_bytes(latent) + index_bytes
         b.gpu_meta += scratch
         pools = [f"latent: {latent.config.layout}", f"index keys: {index.config.layout}"]
-        return _admits([latent, index], lengths), b, pools, "GPU + CPU memory of all ranks"
+        limit = "GPU + CPU memory of all ranks" if striped else "GPU + CPU memory"
+        return _admits([latent, index], lengths), b, pools, limit
 
     def run(self, system: str) -> SystemPlan:
         feasible = getattr(self, system)
