@@ -33,8 +33,7 @@ from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
 from ..kernels import release as release_mod
-from ..kernels._triton import triton
-from .tiered import BufferState, TieredLayout
+from .tiered import BufferState, TieredLayout, miss_positions
 
 _ids = itertools.count(1 << 21)
 
@@ -203,12 +202,9 @@ class OffloadPool(PoolFrame):
     def _fetch(self, plan, layers: range) -> torch.Tensor:  # a read-back: the baseline syncs
         """The rows of ``plan``'s misses from the CPU history, every layer of the group, in the
         buffer's miss order (words ``[misses, layers, W]``)."""
-        sc, T = plan.scratch, plan.addresses.numel()
-        chunks = triton.cdiv(T, K.CHUNK)
-        need = sc.counts[:chunks, int(K.C_NEED)].tolist()
-        order = torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(need)]).long()
+        order = miss_positions(plan)
         if order.numel() == 0:
-            return sc.victims  # nothing to fetch; the kernel needs some tensor (as a striped rank's)
+            return plan.scratch.victims  # nothing to fetch; the kernel needs some tensor
         missed = plan.addresses[order]
         self._launches += len(layers)
         return torch.stack(

@@ -40,7 +40,7 @@ from ..frame import PoolFrame
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import release as release_mod
-from .tiered import BufferState, TieredLayout
+from .tiered import BufferState, TieredLayout, miss_positions
 
 _ids = itertools.count(1 << 20)
 
@@ -231,11 +231,7 @@ class StripedPool(PoolFrame):
 
         # The misses, in the buffer's victim order (the same on every rank), and their homes.
         sc = plan.scratch
-        chunks = -(-T // K.CHUNK)
-        counts = sc.counts[:chunks, int(K.C_NEED)].tolist()
-        miss_pos = torch.cat(
-            [sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(counts)]
-        ).long()
+        miss_pos = miss_positions(plan)
         home = flat[miss_pos] % self.world
         onehot = home[:, None] == torch.arange(self.world, device=self.device)[None, :]
         per_home = onehot.sum(0).tolist()

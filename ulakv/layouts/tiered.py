@@ -207,6 +207,15 @@ class BufferState(TieredState):
     CACHE = True
 
 
+def miss_positions(plan: TransferPlan) -> torch.Tensor:
+    """Positions (in the plan's addresses) of a buffer's misses, in the order its apply expects
+    their fetched rows: chunk by chunk. Reads the per-chunk counts back on the host (a buffer's
+    caller sizes its fetch with them)."""
+    sc, T = plan.scratch, plan.addresses.numel()
+    need = sc.counts[: triton.cdiv(T, K.CHUNK), int(K.C_NEED)].tolist()
+    return torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(need)]).long()
+
+
 @dataclass(eq=False)
 class CallScratch(_Tensors):
     """Per-call scratch, sized for up to ``capacity`` selection elements (grown, never shrunk)."""
