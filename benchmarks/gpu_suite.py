@@ -44,10 +44,10 @@ import torch
 
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
 from ulakv.engine import SparseKV
-from ulakv.kernels import common
 from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import release as release_mod
 from ulakv.kernels._triton import count_launches
+from ulakv.kernels.operands import as_words
 from ulakv.layouts.tiered import REFERENCE
 from ulakv.plans import Phase
 from ulakv.traces import SyntheticSpec, synthetic
@@ -179,7 +179,7 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
         live = torch.tensor([a for s, _ in seqs for a in s._addresses], dtype=torch.int64, device=device)
         for layer in range(3):
             g = layer // 2
-            gpu, cpu = common.as_words(st.gpu_data[layer]), common.as_words(st.cpu_data[layer])
+            gpu, cpu = as_words(st.gpu_data[layer]), as_words(st.cpu_data[layer])
             args = (live, st.mapping[g], st.gpu_slots, gpu, cpu)
             if not torch.equal(gather_mod.gather(*args), gather_mod.gather_reference(*args)):
                 raise AssertionError(f"{policy}: gather differs from its reference in layer {layer}")
@@ -211,7 +211,7 @@ def gather_rows(device: torch.device, sizes: Sizes, ceil: dict[str, float]) -> l
     seq = pool.admit(2 * G)
     write_all(pool, seq.addresses, range(1))  # the first G rows on the GPU, the rest on the CPU
     st = pool._state
-    gpu_words, cpu_words = common.as_words(st.gpu_data[0]), common.as_words(st.cpu_data[0])
+    gpu_words, cpu_words = as_words(st.gpu_data[0]), as_words(st.cpu_data[0])
     home = st.mapping[0]
     on_gpu = seq.addresses[home[seq.addresses] < G]
     on_cpu = seq.addresses[home[seq.addresses] >= G]

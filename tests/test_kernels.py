@@ -21,6 +21,7 @@ from ulakv.kernels import common as K
 from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import lookup as lookup_mod
 from ulakv.kernels import release as release_mod
+from ulakv.kernels.operands import as_words, readable_rows
 from ulakv.layouts.tiered import REFERENCE, TRITON, BufferState, TieredLayout
 from ulakv.plans import Phase
 
@@ -59,7 +60,7 @@ def run_stagewise(
     layers = pool.config.group_layers(group)
     width = pool.config.entry.bytes_per_layer
     slots = torch.full((T,), POISON, dtype=torch.int32)
-    words = K.as_words(rows) if rows is not None else None
+    words = readable_rows(rows) if rows is not None else None
     write = rows is not None
     stages = [("plan", lambda k, s, sc: k.plan(s, group, flat, sc, write, len(layers) * width, width))]
     for phases, in_layers in apply_steps(layers, split and not write):
@@ -192,7 +193,7 @@ def test_gather_matches_reference(width) -> None:
     st = pool._state
     addrs = seq.addresses.flip(0)
     for layer in range(2):
-        gpu, cpu = K.as_words(st.gpu_data[layer]), K.as_words(st.cpu_data[layer])
+        gpu, cpu = as_words(st.gpu_data[layer]), as_words(st.cpu_data[layer])
         got = gather_mod.gather(addrs, st.mapping[0], st.gpu_slots, gpu, cpu)
         assert torch.equal(got, gather_mod.gather_reference(addrs, st.mapping[0], st.gpu_slots, gpu, cpu))
 

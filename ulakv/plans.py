@@ -61,9 +61,12 @@ class TransferPlan:
     addresses: torch.Tensor  # [T] the flattened selection
     scratch: object  # the layout's CallScratch
     slots: torch.Tensor | None  # int32 [T]: the output of a prepare
-    rows: torch.Tensor | None  # the rows of a write, as words
+    rows: torch.Tensor | None  # the rows of a write, packed, as words when the width allows
     write_layer: int
     ctl: torch.Tensor  # the pool's control words (the plan's totals live there)
+    # The caller's output buffer when the kernels cannot store into it in place (strided, or
+    # unaligned): ``slots`` are copied into it as soon as the evict phase has written them.
+    out: torch.Tensor | None = None
     applied: int = 0
     layers_in: set[int] = field(default_factory=set)
     ready: dict[int, object] = field(default_factory=dict)

@@ -19,6 +19,7 @@ from .errors import CapacityError, InvalidAddressError, InvalidInputError, Ulakv
 from .frame import PoolFrame
 from .invariants import check_invariants
 from .kernels import common as K
+from .kernels.operands import readable_indices
 from .layouts.tiered import TieredLayout, TieredState
 from .plans import Phase, PlanInterrupted, TransferPlan
 
@@ -159,8 +160,11 @@ class Pool(PoolFrame):
     def plan(self, group: int, topk: torch.Tensor, out: torch.Tensor | None = None) -> TransferPlan | None:
         """The first half of ``prepare``: decide every move ``topk`` needs, on the device, and
         move nothing (the lookup and plan kernels). ``out`` (int32, at least ``topk.numel()``
-        elements) receives the slots when the plan runs, so a captured step writes to a fixed
-        buffer. ``None`` for an empty selection. Run the plan with :meth:`run`."""
+        elements) receives the slots in its first ``topk.numel()`` elements, in row-major order, when
+        the plan runs, so a captured step writes to a fixed buffer (a packed ``out`` directly; any
+        other view by one copy after the ``evict`` phase). ``None`` for an empty selection. Run the
+        plan with :meth:`run`. ``topk``, ``out`` (and a write's ``rows``) may be any view of any
+        memory: offsets, strides and alignment are the pool's concern (``ulakv.kernels.operands``)."""
         self._check_group(group)
         self._need_kernels("prepare")
         if not isinstance(topk, torch.Tensor):
@@ -172,19 +176,14 @@ class Pool(PoolFrame):
                 f"prepare: topk must be [batch, k] or [batch, q, k], got shape {tuple(topk.shape)}"
             )
         self._check_device("prepare: topk", topk)
-        flat = topk.reshape(-1).contiguous()  # the kernels read indices with unit stride
         if out is not None:
-            ok = isinstance(out, torch.Tensor) and out.dtype == torch.int32 and out.is_contiguous()
-            if not ok or out.numel() < flat.numel():
-                raise InvalidInputError(
-                    f"prepare: out must be a contiguous int32 tensor of >= {flat.numel()}"
-                )
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.numel() < topk.numel():
+                raise InvalidInputError(f"prepare: out must be an int32 tensor of >= {topk.numel()} elements")
             self._check_device("prepare: out", out)
-            out = out.reshape(-1)
         self._finish_pending()
-        if flat.numel() == 0:
+        if topk.numel() == 0:
             return None
-        plan, launches = self._layout.plan(group, flat, slots=out)
+        plan, launches = self._layout.plan(group, topk, out=out)
         self._launches += launches
         self._raise_if_failed("prepare", plan)
         self._pending = plan
@@ -223,14 +222,14 @@ class Pool(PoolFrame):
 
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Store ``rows`` (uint8 ``[n, bytes_per_layer]``) as layer ``layer`` of ``addrs``
-        (``[n]``, -1 = padding row). New entries get a home in the layer's group."""
+        (``[n]``, -1 = padding row). New entries get a home in the layer's group. ``rows`` may be
+        any view (a slice of a wider tensor, bf16 or fp8 memory viewed as bytes, at any offset):
+        read in place when packed and aligned, else copied once."""
         self._check_write(layer, addrs, rows)
         self._finish_pending()
         if addrs.numel() == 0:
             return
-        plan, launches = self._layout.plan(
-            self.config.group_of(layer), addrs.contiguous(), rows=rows.contiguous(), layer=layer
-        )
+        plan, launches = self._layout.plan(self.config.group_of(layer), addrs, rows=rows, layer=layer)
         self._launches += launches
         self._raise_if_failed("write", plan)
         self._pending = plan
@@ -244,7 +243,7 @@ class Pool(PoolFrame):
         self.check()
         if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
-        addrs = addrs.reshape(-1).to(self.device).contiguous()
+        addrs = readable_indices(addrs.to(self.device))
         self._check_live("read", addrs)
         return self._layout.read(layer, addrs)
 

@@ -27,6 +27,7 @@ import torch
 
 from . import common as K
 from ._triton import INTERPRETED, tl, triton
+from .operands import as_words
 
 # Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
 # interpreter pays per operation, not per element, so it takes 4x larger tiles.
@@ -395,15 +396,17 @@ def apply(
     fetched: torch.Tensor | None = None,
 ) -> int:
     """Launch apply for group ``g`` (layers ``layers``): the phases ``phases`` (first, last), moving
-    the group's layers ``in_layers`` (default all) in the ``in`` phase. ``rows`` (int32/uint8 words
-    ``[T, W]``) only for a write, ``slots`` (int32 ``[T]``) only for a prepare. A buffer
-    (``st.CACHE``) takes its misses' rows from ``fetched`` (words ``[misses, layers, W]``, in miss
-    order) and drops its victims. Returns launches."""
+    the group's layers ``in_layers`` (default all) in the ``in`` phase. ``rows`` (packed ``[T, W]``)
+    only for a write, ``slots`` (int32 ``[T]``, packed) only for a prepare. A buffer (``st.CACHE``)
+    takes its misses' rows from ``fetched`` (packed ``[misses, layers, W]``, in miss order) and drops
+    its victims. Rows are in the unit ``as_words`` gives the pool's own rows (words when the width is
+    a multiple of 4, else bytes); ``ulakv.kernels.operands`` brings a caller's tensors to it.
+    Returns launches."""
     if st.CACHE and fetched is None and rows is None:
         raise ValueError("a buffer's apply needs the fetched rows")
     T = flat.numel()
-    gpu = K.as_words(st.gpu_data[layers.start : layers.stop])
-    cpu = K.as_words(st.cpu_data[layers.start : layers.stop])
+    gpu = as_words(st.gpu_data[layers.start : layers.stop])
+    cpu = as_words(st.cpu_data[layers.start : layers.stop])
     write = rows is not None
     W = gpu.shape[-1]
     in_layers = in_layers if in_layers is not None else layers

@@ -6,8 +6,6 @@ Control words live in small int64 device tensors so a step never needs the host 
 
 from __future__ import annotations
 
-import torch
-
 from ._triton import tl
 
 # Elements of a selection are processed in chunks of this many per program: a block size, so one
@@ -105,17 +103,6 @@ M_UNHOMED = tl.constexpr(-2)
 # epoch; epochs must stay below 2**31 to keep the key positive, after which scratch is reset.
 EPOCH_LIMIT = 2**31 - 1
 POS_MASK = 0xFFFFFFFF
-
-
-def as_words(rows: torch.Tensor) -> torch.Tensor:
-    """View byte rows ``[..., bytes]`` as int32 words when the width allows, else keep bytes.
-
-    Moving 4-byte words quarters the instructions per row (656 B = 164 words); the bits are the same.
-    """
-    aligned = rows.shape[-1] % 4 == 0 and rows.stride(-1) == 1 and rows.storage_offset() % 4 == 0
-    if aligned and all(s % 4 == 0 for s in rows.stride()[:-1]):  # e.g. a slice of a striped buffer
-        return rows.view(torch.int32)
-    return rows
 
 
 def next_pow2(n: int) -> int:

@@ -30,7 +30,7 @@ def compile_all(arch: int = 90) -> list[str]:
     from triton.runtime.jit import JITFunction, mangle_type
 
     from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
-    from ulakv.kernels import common
+    from ulakv.kernels.operands import readable_rows
     from ulakv.layouts.tiered import BufferState, TieredLayout
     from ulakv.policies.pblru import bucket_bits, search
 
@@ -77,7 +77,7 @@ def compile_all(arch: int = 90) -> list[str]:
         layout = TieredLayout(buffer_cfg, state)
         flat = torch.arange(4, dtype=torch.int64)
         plan, _ = layout.plan(0, flat)
-        layout.execute(plan, fetched=common.as_words(torch.zeros((4, 2, width), dtype=torch.uint8)))
+        layout.execute(plan, fetched=readable_rows(torch.zeros((4, 2, width), dtype=torch.uint8)))
     search(bucket_bits(torch.ones(40, dtype=torch.bool)), 40, 4)
     return sorted(set(compiled.values()))
 

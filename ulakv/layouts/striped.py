@@ -40,6 +40,7 @@ from ..frame import PoolFrame
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import release as release_mod
+from ..kernels.operands import may_overlap, readable_indices, readable_rows
 from .tiered import BufferState, TieredLayout, miss_positions
 
 _ids = itertools.count(1 << 20)
@@ -153,11 +154,11 @@ class StripedPool(PoolFrame):
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Every rank passes the full rows; each keeps those homed on it, and refreshes its buffer
         copies of any written entry (no communication)."""
-        self.inner._check_layer(layer)
-        if not isinstance(addrs, torch.Tensor) or addrs.dim() != 1:
-            raise InvalidInputError("write: addrs must be a 1-D int32 or int64 tensor")
+        self._check_write(layer, addrs, rows)
         self._check_usable()
         self._check_live("write", addrs, unique=True)  # on every rank, before any rank changes anything
+        if may_overlap(rows, self._rows):  # a view of rows this write moves: torch refuses, mid-way
+            rows = rows.clone()
         _, local = self._local_of(addrs.to(torch.int64))
         self.inner.write(layer, local, rows)
         g = self.config.group_of(layer)
@@ -179,7 +180,7 @@ class StripedPool(PoolFrame):
         if topk.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
         self.inner._check_device("prepare: topk", topk)
-        flat = topk.reshape(-1).to(torch.int64).contiguous()  # the kernels read with unit stride
+        flat = readable_indices(topk.to(torch.int64))
         T = flat.numel()
         if T == 0:
             return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
@@ -251,7 +252,8 @@ class StripedPool(PoolFrame):
             self.bytes_received += (self.world - 1) * send.numel()
             rank_in_home = (onehot.long().cumsum(0) - 1).gather(1, home[:, None]).flatten()
             fetched = gathered[home, rank_in_home]
-        self._buffer_layout.execute(plan, fetched=K.as_words(fetched) if fetched is not None else sc.victims)
+        fetched = readable_rows(fetched) if fetched is not None else sc.victims
+        self._buffer_layout.execute(plan, fetched=fetched)
         slots = torch.where(mine, inner_slots, torch.where(flat >= 0, self._offset + plan.slots, -1))
         return Selection(group, slots.to(torch.int32).view(topk.shape))
 

@@ -18,6 +18,7 @@ from ..kernels import apply as apply_mod
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
 from ..kernels import lookup as lookup_mod
+from ..kernels import operands
 from ..kernels import release as release_mod
 from ..kernels._triton import triton
 from ..plans import Phase, TransferPlan
@@ -96,6 +97,8 @@ class TieredState(_Tensors):
         N, B, L = addresses or layout.capacity, config.entry.bytes_per_layer, config.num_layers
         if gpu_data is not None and tuple(gpu_data.shape) != (L, G + 1, B):
             raise ValueError(f"gpu_data must be [{L}, {G + 1}, {B}], got {tuple(gpu_data.shape)}")
+        if gpu_data is not None:
+            operands.as_words(gpu_data)  # the kernels view it as words: raises now, not mid-call
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         pin = device.type == "cuda"
@@ -299,33 +302,47 @@ class TieredLayout:
     def plan(
         self,
         group: int,
-        flat: torch.Tensor,
+        selection: torch.Tensor,
         *,
         rows: torch.Tensor | None = None,
         layer: int = 0,
-        slots: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[TransferPlan, int]:
-        """Plan one ``prepare`` (``rows is None``) or ``write`` of the flat addresses ``flat``: the
-        lookup and plan kernels, no data moved. ``slots`` (int32, at least ``flat.numel()``) is
-        where a prepare's slots go (allocated when ``None``). Returns the plan and the launches."""
+        """Plan one ``prepare`` (``rows is None``) or ``write`` of the addresses ``selection`` (int32
+        or int64, any shape, -1 padding): the lookup and plan kernels, no data moved. ``rows`` (uint8
+        ``[n, bytes_per_layer]``) and ``out`` (int32, at least ``n`` elements: a prepare's slots, in
+        row-major order) may be any view of any memory (see ``ulakv.kernels.operands``); ``out`` is
+        allocated when ``None``. Returns the plan and the launches (2). No host sync."""
         st, cfg, kernels = self.state, self.config, self.kernels
         write = rows is not None
+        flat = operands.readable_indices(selection)
+        if out is not None and operands.may_overlap(out, flat):
+            flat = flat.clone()  # apply reads the selection after the evict phase has written out
+        if write:
+            rows = operands.readable_rows(rows)
+            if operands.may_overlap(rows, st.gpu_data) or operands.may_overlap(rows, st.cpu_data):
+                rows = rows.clone()  # a view of the very rows this write may move
         T = flat.numel()
         scratch = self.scratch(T)
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
         launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width)
-        if not write and slots is None:
-            slots = torch.empty(T, dtype=torch.int32, device=flat.device)
+        slots, deliver = None, None
+        if not write:
+            if out is not None and operands.writable_in_place(out):
+                slots = out.view(-1)[:T]
+            else:
+                slots, deliver = torch.empty(T, dtype=torch.int32, device=flat.device), out
         plan = TransferPlan(
             group=group,
             layers=layers,
             addresses=flat,
             scratch=scratch,
-            slots=None if write else slots[:T],
-            rows=K.as_words(rows) if write else None,
+            slots=slots,
+            rows=rows,
             write_layer=layer,
             ctl=st.ctl,
+            out=deliver,
         )
         return plan, launches
 
@@ -366,15 +383,17 @@ class TieredLayout:
         )
         if start <= Phase.IN <= until:
             plan.layers_in.update(in_layers)
+        if plan.out is not None and start <= Phase.EVICT <= until:  # the slots are written: deliver
+            plan.out.put_(torch.arange(plan.slots.numel(), device=plan.out.device), plan.slots)
         plan.applied = max(plan.applied, int(until))
         return launches
 
     def run(
-        self, group: int, flat: torch.Tensor, *, rows: torch.Tensor | None = None, layer: int = 0
+        self, group: int, selection: torch.Tensor, *, rows: torch.Tensor | None = None, layer: int = 0
     ) -> tuple[torch.Tensor | None, int]:
         """Plan and run one ``prepare`` or ``write``; returns the slots (prepare only) and the
         number of kernel launches (3)."""
-        plan, launches = self.plan(group, flat, rows=rows, layer=layer)
+        plan, launches = self.plan(group, selection, rows=rows, layer=layer)
         launches += self.execute(plan)
         return plan.slots, launches
 
@@ -388,7 +407,7 @@ class TieredLayout:
             addrs,
             st.mapping[g],
             st.gpu_slots,
-            K.as_words(st.gpu_data[layer]),
-            K.as_words(st.cpu_data[layer]),
+            operands.as_words(st.gpu_data[layer]),
+            operands.as_words(st.cpu_data[layer]),
         )
         return words.view(torch.uint8).reshape(addrs.numel(), self.config.entry.bytes_per_layer)
