@@ -1,0 +1,364 @@
+"""Callers' tensors as engines hand them: views of other memory.
+
+An engine passes KV rows cut from wider tensors, bf16 or fp8 memory viewed as bytes at any element,
+transposed or strided index tensors, and output buffers that are slices of its own. Every pool kind
+must read them for what they are (``ulakv.kernels.operands``): each row read back equals what was
+written, every slot indexes the selected entry's rows, and the caller's memory is never written
+(but for ``out``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from nosync import no_host_sync, skip_under_debug
+
+from ulakv import CPUOffloadBaseline, EntrySpec, Pool, PoolConfig, Replicated, Striped, Tiered
+from ulakv.kernels.operands import as_words, may_overlap, readable_indices, readable_rows, writable_in_place
+from ulakv.spawn import run_ranks
+
+LAYERS = 2  # one group of two layers: a prepare moves both
+
+
+def _config(width: int, layout) -> PoolConfig:
+    return PoolConfig(
+        entry=EntrySpec(bytes_per_layer=width), num_layers=LAYERS, layers_per_group=LAYERS, layout=layout
+    )
+
+
+# Each kind small enough that six written entries overflow its GPU rows (evictions, CPU homes) and a
+# selection of up to four distinct addresses fits one prepare.
+LAYOUTS: dict[str, Callable[[], object]] = {
+    "tiered": lambda: Tiered(gpu_slots=4, cpu_slots=12),
+    "tiered-gpu-only": lambda: Tiered(gpu_slots=16),
+    "replicated": lambda: Replicated(world=2, gpu_slots=16),
+    "offload": lambda: CPUOffloadBaseline(cpu_slots=16, slots_per_request=4, max_requests=2),
+    "striped": lambda: Striped(world=1, rank=0, buffer_slots=4, inner=Tiered(gpu_slots=4, cpu_slots=12)),
+}
+
+
+@contextlib.contextmanager
+def pool_of(kind: str, width: int) -> Iterator[Pool]:
+    """A pool of ``kind``; a striped one on a one-rank gloo group of this process, torn down after."""
+    layout = LAYOUTS[kind]()
+    if not isinstance(layout, Striped):
+        yield Pool(_config(width, layout))
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield Pool(_config(width, layout))
+    finally:
+        dist.destroy_process_group()
+
+
+# -- views of random memory ------------------------------------------------------------------------
+# Memory an engine may hold its KV in, viewed as bytes.
+MEMORY = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "bf16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "int32": torch.int32,
+}
+
+
+def _random_memory(gen: torch.Generator, elements: int, dtype: torch.dtype) -> torch.Tensor:
+    raw = torch.randint(0, 256, (elements * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype)  # any bit pattern (NaN payloads included): the pool moves bytes
+
+
+@st.composite
+def caller_rows(draw, n: int, width: int) -> torch.Tensor:
+    """uint8 ``[n, width]``: a view into random memory of another dtype, at a byte offset of 0-7,
+    with rows packed, cut from wider rows, or transposed."""
+    shape = draw(st.sampled_from(["packed-at-offset", "cut-from-wider", "transposed"]))
+    if shape == "transposed":  # a dtype view of a last dimension with stride > 1 keeps the element size
+        name = draw(st.sampled_from(["uint8", "int8"]))
+    else:
+        name = draw(st.sampled_from([k for k, d in MEMORY.items() if width % d.itemsize == 0]))
+    dtype = MEMORY[name]
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    per_row = width // dtype.itemsize
+    skip = draw(st.integers(0, 7)) // dtype.itemsize  # elements before the first row: byte offsets 0-7
+    if shape == "packed-at-offset":  # e.g. b[1:9].view(torch.uint8).view(2, 8)
+        flat = _random_memory(gen, skip + n * per_row + 3, dtype)
+        view = flat[skip : skip + n * per_row].view(torch.uint8).view(n, width)
+    elif shape == "cut-from-wider":  # e.g. w[:, :8] of a [n, 11] tensor: row stride past the row
+        wider = skip + per_row + draw(st.integers(1, 5))
+        first = draw(st.integers(0, 2))
+        table = _random_memory(gen, (first + n) * wider, dtype).view(first + n, wider)
+        view = table[first:, skip : skip + per_row].view(torch.uint8)
+    else:  # columns of a [width, m] byte table: the last dimension has stride m
+        m = n + draw(st.integers(0, 3))
+        table = _random_memory(gen, width * m, dtype).view(width, m)
+        view = table[:, m - n :].t().view(torch.uint8)
+    assert view.dtype == torch.uint8 and view.shape == (n, width)
+    aligned = view.data_ptr() % 4 == 0 and view.stride(0) % 4 == 0 and view.stride(1) == 1
+    event(f"{shape}, {'aligned' if aligned else 'unaligned'} {'words' if width % 4 == 0 else 'bytes'}")
+    return view
+
+
+@st.composite
+def caller_indices(draw, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (1-D) as a packed tensor, every other element of a wider one, or a column of a
+    transposed table."""
+    n = len(values)
+    data = torch.tensor(values, dtype=dtype)
+    how = draw(st.sampled_from(["packed", "strided", "column"]))
+    if how == "packed":
+        return data
+    if how == "strided":
+        wide = torch.full((2 * n,), -7, dtype=dtype)
+        wide[::2] = data
+        return wide[::2]
+    table = torch.full((3, n), -7, dtype=dtype)
+    table[1] = data
+    return table.t()[:, 1]
+
+
+def _memory_of(t: torch.Tensor) -> torch.Tensor:
+    """A copy of every byte of the storage ``t`` views (to show the pool never wrote it)."""
+    return torch.tensor(bytearray(t.untyped_storage()), dtype=torch.uint8)
+
+
+def _assert_slots_hold(pool: Pool, selection: list[int], slots: list[int], expected) -> None:
+    """Each selected address's slot holds its rows in every layer; padding's slot is -1."""
+    for a, slot in zip(selection, slots, strict=True):
+        if a < 0:
+            assert slot == -1
+        else:
+            for layer in range(LAYERS):
+                assert torch.equal(pool.gpu_buffer(layer)[slot], expected[layer, a]), f"{a}, layer {layer}"
+
+
+# -- the property ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+@settings(max_examples=40)
+@given(data=st.data(), width=st.sampled_from([6, 8, 12, 13]), n=st.integers(1, 6))
+def test_rows_written_through_any_view_read_back_exactly(kind: str, data, width: int, n: int) -> None:
+    with pool_of(kind, width) as pool:
+        seq = pool.admit(n)
+        addresses = seq.addresses.tolist()
+        expected: dict[tuple[int, int], torch.Tensor] = {}
+        for layer in range(LAYERS):
+            order = data.draw(st.permutations(addresses), label="write order")
+            rows = data.draw(caller_rows(n, width), label=f"rows of layer {layer}")
+            addrs = data.draw(caller_indices(order, data.draw(st.sampled_from([torch.int32, torch.int64]))))
+            memory = _memory_of(rows)
+            pool.write(layer, addrs, rows)
+            assert torch.equal(_memory_of(rows), memory), "write changed the caller's rows"
+            expected.update({(layer, a): rows[i].clone() for i, a in enumerate(order)})
+
+        def assert_reads_back() -> None:
+            for layer in range(LAYERS):
+                want = torch.stack([expected[layer, a] for a in addresses])
+                assert torch.equal(pool.read(layer, seq.addresses), want), f"layer {layer} read back differs"
+
+        assert_reads_back()
+        # A selection of up to four distinct addresses (one repeated, padding beside), as a view.
+        chosen = data.draw(st.lists(st.sampled_from(addresses), min_size=1, max_size=4, unique=True))
+        selection = [*chosen, chosen[0], -1]
+        dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+        topk = data.draw(caller_indices(selection, dtype)).view(1, -1)
+        memory = _memory_of(topk)
+        _assert_slots_hold(pool, selection, pool.prepare(0, topk).slots.reshape(-1).tolist(), expected)
+        assert torch.equal(_memory_of(topk), memory), "prepare changed the caller's selection"
+        assert_reads_back()
+
+
+# -- the two cases the bug was found with ----------------------------------------------------------------
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_a_row_cut_from_a_wider_tensor(kind: str) -> None:
+    """``w[:, :8]`` of ``[1, 11]``: torch calls it contiguous, its row stride is 11 bytes."""
+    with pool_of(kind, 8) as pool:
+        seq = pool.admit(1)
+        w = torch.zeros(1, 11, dtype=torch.uint8)
+        w[0, :8] = torch.arange(1, 9)
+        pool.write(0, seq.addresses, w[:, :8])
+        assert pool.read(0, seq.addresses).tolist() == [list(range(1, 9))]
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_bf16_memory_viewed_as_bytes_at_an_offset_of_two(kind: str) -> None:
+    """``b[1:9].view(torch.uint8)``: packed, but 2 bytes past a word boundary."""
+    with pool_of(kind, 8) as pool:
+        pool.admit(1)
+        b = torch.arange(10, dtype=torch.bfloat16)
+        v = b[1:9].view(torch.uint8).view(2, 8)
+        seq = pool.admit(2)
+        pool.write(0, seq.addresses, v)
+        assert torch.equal(pool.read(0, seq.addresses), v)
+
+
+def _bug_cases_on_ranks(rank: int, world: int) -> None:
+    """Both cases on a two-rank striped pool: rows homed on either rank, fetched into the buffer."""
+    layout = Striped(world=world, rank=rank, buffer_slots=4, inner=Tiered(gpu_slots=2, cpu_slots=6))
+    pool = Pool(_config(8, layout))
+    w = torch.zeros(4, 11, dtype=torch.uint8)
+    w[:, :8] = torch.arange(1, 33, dtype=torch.uint8).view(4, 8)
+    b = torch.arange(1, 18, dtype=torch.bfloat16)
+    v = b[1:17].view(torch.uint8).view(4, 8)
+    seq = pool.admit(4)
+    pool.write(0, seq.addresses, w[:, :8])
+    pool.write(1, seq.addresses, v)
+    slots = pool.prepare(0, seq.addresses.view(1, 4)).slots.view(-1).long()
+    assert torch.equal(pool.gpu_buffer(0)[slots], w[:, :8]) and torch.equal(pool.gpu_buffer(1)[slots], v)
+    assert torch.equal(pool.read(0, seq.addresses), w[:, :8]) and torch.equal(pool.read(1, seq.addresses), v)
+
+
+def test_both_cases_on_two_striped_ranks() -> None:
+    run_ranks(_bug_cases_on_ranks, 2)
+
+
+# -- output buffers and aliasing -----------------------------------------------------------------------
+def _written_pool(width: int = 8, n: int = 6) -> tuple[Pool, list[int], dict[tuple[int, int], torch.Tensor]]:
+    pool = Pool(_config(width, Tiered(gpu_slots=4, cpu_slots=12)))
+    seq = pool.admit(n)
+    gen = torch.Generator().manual_seed(5)
+    expected = {}
+    for layer in range(LAYERS):
+        rows = torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=gen)
+        pool.write(layer, seq.addresses, rows)
+        expected.update({(layer, a): rows[i] for i, a in enumerate(seq.addresses.tolist())})
+    return pool, seq.addresses.tolist(), expected
+
+
+OUT_VIEWS = {
+    # the first k columns of an engine's [max_batch, max_k] buffer (row-major: row 0 first)
+    "columns-of-wider": lambda k: torch.full((2, k + 3), 99, dtype=torch.int32)[:, :k],
+    "transposed": lambda k: torch.full((k, 2), 99, dtype=torch.int32).t(),
+    "every-other": lambda k: torch.full((2 * k,), 99, dtype=torch.int32)[::2],
+    "packed-larger-than-needed": lambda k: torch.full((k + 5,), 99, dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("how", list(OUT_VIEWS))
+def test_out_of_any_view_receives_the_slots_in_row_major_order(how: str) -> None:
+    pool, addresses, expected = _written_pool()
+    twin, _, _ = _written_pool()
+    selection = [addresses[0], addresses[5], -1, addresses[2], addresses[0]]
+    want = twin.prepare(0, torch.tensor([selection])).slots.view(-1)
+    _assert_slots_hold(twin, selection, want.tolist(), expected)
+    out = OUT_VIEWS[how](len(selection))
+    base = out if out._base is None else out._base
+    after = base.clone()  # what base must hold: the slots in out's first elements, nothing else
+    after.as_strided(out.shape, out.stride(), out.storage_offset()).put_(torch.arange(len(want)), want)
+    pool.run(pool.plan(0, torch.tensor([selection]), out=out))
+    assert torch.equal(base, after)
+
+
+def test_out_that_is_the_selection_itself() -> None:
+    """Slots written over the addresses they replace: the kernels read the selection after the
+    slots are out, so the pool reads a copy of it."""
+    pool, addresses, expected = _written_pool()
+    selection = [addresses[4], addresses[1], -1, addresses[3]]
+    topk = torch.tensor([selection], dtype=torch.int32)
+    pool.run(pool.plan(0, topk, out=topk))
+    _assert_slots_hold(pool, selection, topk.view(-1).tolist(), expected)
+    again = pool.prepare(0, torch.tensor([selection])).slots.view(-1).tolist()
+    assert again == topk.view(-1).tolist()  # the pool's state is what a plain prepare leaves
+
+
+@pytest.mark.parametrize("kind", ["tiered", "offload", "striped"])
+def test_rows_that_are_a_view_of_the_pools_own_buffer(kind: str) -> None:
+    """Copying entries through the pool's own GPU rows (a fork of a request's tail): the write may
+    move those very rows, so it reads a copy of them."""
+    with pool_of(kind, 8) as pool:
+        seq = pool.admit(4)
+        rows = torch.arange(32, dtype=torch.uint8).view(4, 8) + 1
+        pool.write(0, seq.addresses, rows)
+        slots = pool.prepare(0, seq.addresses.view(1, 4)).slots.view(-1)
+        buffer = pool.gpu_buffer(0)
+        lo = int(slots.min())
+        window = buffer[lo : lo + 4]  # a view of the pool's rows, whatever they hold
+        want = window.clone()
+        fork = pool.admit(4)
+        pool.write(0, fork.addresses, window)
+        assert torch.equal(pool.read(0, fork.addresses), want)
+        assert torch.equal(pool.read(0, seq.addresses), rows)
+
+
+# -- the operand rules themselves ----------------------------------------------------------------------
+def test_aligned_packed_operands_are_used_in_place() -> None:
+    rows = torch.zeros(5, 12, dtype=torch.uint8)
+    assert readable_rows(rows).data_ptr() == rows.data_ptr() and readable_rows(rows).dtype == torch.int32
+    odd = torch.zeros(5, 13, dtype=torch.uint8)
+    assert readable_rows(odd).data_ptr() == odd.data_ptr() and readable_rows(odd).dtype == torch.uint8
+    one_row = torch.zeros(1, 12, dtype=torch.uint8)[:, :8]  # row stride 12, a multiple of 4
+    assert readable_rows(one_row).data_ptr() == one_row.data_ptr()
+    idx = torch.arange(6).view(2, 3)
+    assert readable_indices(idx).data_ptr() == idx.data_ptr()
+    assert writable_in_place(torch.zeros(3, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        pytest.param(torch.arange(24, dtype=torch.uint8)[2:18].view(2, 8), id="byte-offset-2"),
+        pytest.param(torch.arange(33, dtype=torch.uint8).view(3, 11)[:, :8], id="row-stride-11"),
+        pytest.param(torch.arange(24, dtype=torch.uint8).view(8, 3).t(), id="transposed"),
+        pytest.param(
+            torch.frombuffer(bytearray(range(40)), dtype=torch.uint8, offset=1, count=32)[3:19].view(2, 8),
+            id="aligned-address-odd-storage-offset",
+        ),
+    ],
+)
+def test_unreadable_rows_are_copied_to_packed_aligned_words(rows: torch.Tensor) -> None:
+    words = readable_rows(rows)
+    assert words.dtype == (torch.int32 if rows.shape[-1] % 4 == 0 else torch.uint8)
+    assert words.is_contiguous() and words.data_ptr() % 4 == 0
+    assert torch.equal(words.view(torch.uint8).view(rows.shape), rows)
+
+
+def test_indices_at_an_unaligned_address_are_copied() -> None:
+    wrapped = torch.frombuffer(bytearray(64), dtype=torch.int64, offset=3, count=5)
+    assert wrapped.data_ptr() % 8 == 3
+    flat = readable_indices(wrapped)
+    assert flat.data_ptr() % 8 == 0 and torch.equal(flat, wrapped)
+    assert not writable_in_place(torch.frombuffer(bytearray(64), dtype=torch.int32, offset=1, count=4))
+
+
+def test_pool_rows_that_are_not_words_raise() -> None:
+    from ulakv import UlakvError
+
+    with pytest.raises(UlakvError, match="not 4-byte aligned"):
+        as_words(torch.zeros(40, dtype=torch.uint8)[2:34].view(4, 8))
+    with pytest.raises(UlakvError, match="not words"):
+        as_words(torch.zeros(4, 11, dtype=torch.uint8)[:2, :8])
+
+
+def test_overlap_is_judged_by_byte_ranges() -> None:
+    buf = torch.zeros(10, 8, dtype=torch.uint8)
+    assert may_overlap(buf[2:4], buf[3:6])
+    assert not may_overlap(buf[2:4], buf[4:6])
+    assert may_overlap(buf[:, :4], buf[5:6, 6:])  # interleaved: counted as overlapping
+    assert not may_overlap(buf, buf.clone())
+    assert not may_overlap(buf[:0], buf)
+
+
+@skip_under_debug
+def test_views_cost_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bringing views to the kernels looks at shapes, strides and pointers, never at device data:
+    a non-validating pool takes misaligned rows, strided addresses and a strided ``out`` without
+    one read-back."""
+    pool = Pool(_config(8, Tiered(gpu_slots=4, cpu_slots=12)).replace(validate=False))
+    seq = pool.admit(3)
+    b = torch.arange(1, 26, dtype=torch.bfloat16)
+    rows = b[1:13].view(torch.uint8).view(3, 8)  # 2 bytes past a word
+    addrs = torch.stack([seq.addresses, seq.addresses]).t()[:, 0]  # stride 2
+    topk = torch.stack([seq.addresses.flip(0), seq.addresses]).t()[:, :1].t()  # [1, 3], stride 2
+    out = torch.full((2, 6), -7, dtype=torch.int32)[:, ::2]
+    with no_host_sync(monkeypatch):
+        pool.write(0, addrs, rows)
+        pool.write(1, addrs, rows)
+        pool.run(pool.plan(0, topk, out=out))
+    pool.check()
+    selection = seq.addresses.flip(0).tolist()
+    expected = {(layer, a): rows[i] for layer in range(LAYERS) for i, a in enumerate(seq.addresses.tolist())}
+    _assert_slots_hold(pool, selection, out.reshape(-1)[:3].tolist(), expected)
