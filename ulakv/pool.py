@@ -179,6 +179,8 @@ class Pool(PoolFrame):
         if out is not None:
             if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.numel() < topk.numel():
                 raise InvalidInputError(f"prepare: out must be an int32 tensor of >= {topk.numel()} elements")
+            if torch._debug_has_internal_overlap(out) == 1:  # 1: certainly (an expanded tensor)
+                raise InvalidInputError("prepare: out's elements share memory (expanded?); a slot needs its own")
             self._check_device("prepare: out", out)
         self._finish_pending()
         if topk.numel() == 0:
@@ -217,7 +219,8 @@ class Pool(PoolFrame):
         interrupted): its remaining phases, before anything else."""
         if self._pending is not None:
             plan, self._pending = self._pending, None
-            self._launches += self._layout.execute(plan)
+            if not plan.finished:  # a run whose last step failed after its phases
+                self._launches += self._layout.execute(plan)
             self._after_call()
 
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:

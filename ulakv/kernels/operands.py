@@ -51,10 +51,15 @@ def _fits(t: torch.Tensor, alignment: int) -> bool:
 
 
 def as_words(rows: torch.Tensor) -> torch.Tensor:
-    """The pool's own byte rows ``[..., width]`` as int32 words ``[..., width // 4]`` when
-    ``moves_words(width)``, else the bytes themselves. A view, never a copy: the pool allocates its
-    rows aligned, so rows that cannot be viewed as words raise ``UlakvError``."""
-    if not moves_words(rows.shape[-1]):
+    """The pool's own byte rows ``[..., slots, width]`` as int32 words ``[..., slots, width // 4]``
+    when ``moves_words(width)``, else the bytes themselves. A view, never a copy: the pool lays its
+    rows out packed (the kernels step from row to row by the width; leading dimensions, such as
+    layers, may have any stride) and aligned, so rows that are not raise ``UlakvError``."""
+    width = rows.shape[-1]
+    packed = rows.stride(-1) == 1 and (rows.dim() < 2 or rows.shape[-2] <= 1 or rows.stride(-2) == width)
+    if not packed:
+        raise UlakvError(f"pool rows {tuple(rows.shape)} with strides {rows.stride()} are not packed")
+    if not moves_words(width):
         return rows
     if rows.device.type != "meta" and rows.data_ptr() % WORD_BYTES:
         raise UlakvError(f"pool rows at address {rows.data_ptr():#x} are not {WORD_BYTES}-byte aligned")

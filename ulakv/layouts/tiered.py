@@ -219,6 +219,14 @@ def miss_positions(plan: TransferPlan) -> torch.Tensor:
     return torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(need)]).long()
 
 
+def deliver(slots: torch.Tensor, out: torch.Tensor) -> None:
+    """Put ``slots`` (int32 ``[T]``) into the first ``T`` elements of ``out`` (any view, row-major
+    order): two small device ops, no host sync. An inference tensor is written in inference mode,
+    where torch allows it."""
+    with torch.inference_mode(out.is_inference()):
+        out.put_(torch.arange(slots.numel(), device=out.device), slots)
+
+
 @dataclass(eq=False)
 class CallScratch(_Tensors):
     """Per-call scratch, sized for up to ``capacity`` selection elements (grown, never shrunk)."""
@@ -383,9 +391,9 @@ class TieredLayout:
         )
         if start <= Phase.IN <= until:
             plan.layers_in.update(in_layers)
+        plan.applied = max(plan.applied, int(until))  # first: the phases ran, whatever follows
         if plan.out is not None and start <= Phase.EVICT <= until:  # the slots are written: deliver
-            plan.out.put_(torch.arange(plan.slots.numel(), device=plan.out.device), plan.slots)
-        plan.applied = max(plan.applied, int(until))
+            deliver(plan.slots, plan.out)
         return launches
 
     def run(
