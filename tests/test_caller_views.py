@@ -15,20 +15,39 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_same_state
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from nosync import no_host_sync, skip_under_debug
 
-from ulakv import CPUOffloadBaseline, EntrySpec, Pool, PoolConfig, Replicated, Striped, Tiered
+from ulakv import (
+    CPUOffloadBaseline,
+    EntrySpec,
+    InvalidAddressError,
+    InvalidInputError,
+    Pool,
+    PoolConfig,
+    Replicated,
+    Striped,
+    Tiered,
+    UlakvError,
+)
 from ulakv.kernels.operands import as_words, may_overlap, readable_indices, readable_rows, writable_in_place
+from ulakv.plans import PlanInterrupted, interrupt_after
 from ulakv.spawn import run_ranks
 
 LAYERS = 2  # one group of two layers: a prepare moves both
+# Not the ``device`` fixture: hypothesis draws many examples per call of a test function.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _config(width: int, layout) -> PoolConfig:
+def _config(width: int, layout, device: torch.device = DEVICE) -> PoolConfig:
     return PoolConfig(
-        entry=EntrySpec(bytes_per_layer=width), num_layers=LAYERS, layers_per_group=LAYERS, layout=layout
+        entry=EntrySpec(bytes_per_layer=width),
+        num_layers=LAYERS,
+        layers_per_group=LAYERS,
+        layout=layout,
+        device=device,
     )
 
 
@@ -45,17 +64,20 @@ LAYOUTS: dict[str, Callable[[], object]] = {
 
 @contextlib.contextmanager
 def pool_of(kind: str, width: int) -> Iterator[Pool]:
-    """A pool of ``kind``; a striped one on a one-rank gloo group of this process, torn down after."""
+    """A pool of ``kind``; a striped one on a one-rank group of this process, torn down after."""
     layout = LAYOUTS[kind]()
     if not isinstance(layout, Striped):
         yield Pool(_config(width, layout))
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    backend = "nccl" if DEVICE.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield Pool(_config(width, layout))
     finally:
         dist.destroy_process_group()
 
+
+INDEX_DTYPES = st.sampled_from([torch.int32, torch.int64])
 
 # -- views of random memory ------------------------------------------------------------------------
 # Memory an engine may hold its KV in, viewed as bytes.
@@ -70,7 +92,7 @@ MEMORY = {
 
 def _random_memory(gen: torch.Generator, elements: int, dtype: torch.dtype) -> torch.Tensor:
     raw = torch.randint(0, 256, (elements * dtype.itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype)  # any bit pattern (NaN payloads included): the pool moves bytes
+    return raw.to(DEVICE).view(dtype)  # any bit pattern (NaN payloads included): the pool moves bytes
 
 
 @st.composite
@@ -105,26 +127,39 @@ def caller_rows(draw, n: int, width: int) -> torch.Tensor:
 
 
 @st.composite
-def caller_indices(draw, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """``values`` (1-D) as a packed tensor, every other element of a wider one, or a column of a
-    transposed table."""
-    n = len(values)
-    data = torch.tensor(values, dtype=dtype)
-    how = draw(st.sampled_from(["packed", "strided", "column"]))
+def caller_indices(draw, values: list[int], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``values`` (row-major) as a ``shape`` tensor: packed, every other element of a wider one,
+    transposed (2-D) or a column of a table (1-D), or packed at an address that is not a multiple
+    of the element size (wrapped host memory)."""
+    data = torch.tensor(values, dtype=dtype, device=DEVICE).view(shape)
+    ways = ["packed", "every-other", "transposed"] + ["unaligned"] * (DEVICE.type == "cpu")
+    how = draw(st.sampled_from(ways))
+    event(f"indices {how}")
     if how == "packed":
         return data
-    if how == "strided":
-        wide = torch.full((2 * n,), -7, dtype=dtype)
-        wide[::2] = data
-        return wide[::2]
-    table = torch.full((3, n), -7, dtype=dtype)
-    table[1] = data
-    return table.t()[:, 1]
+    if how == "every-other":
+        wide = torch.full((2 * data.numel(),), -7, dtype=dtype, device=DEVICE)
+        wide[::2] = data.view(-1)
+        return wide[::2].view(shape)
+    if how == "transposed":
+        if len(shape) == 1:  # a column of a [n, 3] table: stride 3
+            table = torch.full((shape[0], 3), -7, dtype=dtype, device=DEVICE)
+            table[:, 1] = data
+            return table[:, 1]
+        table = torch.full(shape[::-1], -7, dtype=dtype, device=DEVICE)
+        view = table.t()
+        view.copy_(data)
+        return view
+    offset = draw(st.integers(1, dtype.itemsize - 1))
+    memory = bytearray(offset + data.numel() * dtype.itemsize)
+    wrapped = torch.frombuffer(memory, dtype=dtype, offset=offset, count=data.numel())
+    wrapped.copy_(data.view(-1))
+    return wrapped.view(shape)
 
 
 def _memory_of(t: torch.Tensor) -> torch.Tensor:
     """A copy of every byte of the storage ``t`` views (to show the pool never wrote it)."""
-    return torch.tensor(bytearray(t.untyped_storage()), dtype=torch.uint8)
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).clone()
 
 
 def _assert_slots_hold(pool: Pool, selection: list[int], slots: list[int], expected) -> None:
@@ -149,7 +184,7 @@ def test_rows_written_through_any_view_read_back_exactly(kind: str, data, width:
         for layer in range(LAYERS):
             order = data.draw(st.permutations(addresses), label="write order")
             rows = data.draw(caller_rows(n, width), label=f"rows of layer {layer}")
-            addrs = data.draw(caller_indices(order, data.draw(st.sampled_from([torch.int32, torch.int64]))))
+            addrs = data.draw(caller_indices(order, data.draw(INDEX_DTYPES), (n,)))
             memory = _memory_of(rows)
             pool.write(layer, addrs, rows)
             assert torch.equal(_memory_of(rows), memory), "write changed the caller's rows"
@@ -158,14 +193,14 @@ def test_rows_written_through_any_view_read_back_exactly(kind: str, data, width:
         def assert_reads_back() -> None:
             for layer in range(LAYERS):
                 want = torch.stack([expected[layer, a] for a in addresses])
-                assert torch.equal(pool.read(layer, seq.addresses), want), f"layer {layer} read back differs"
+                addrs = data.draw(caller_indices(addresses, data.draw(INDEX_DTYPES), (n,)))
+                assert torch.equal(pool.read(layer, addrs), want), f"layer {layer} read back differs"
 
         assert_reads_back()
-        # A selection of up to four distinct addresses (one repeated, padding beside), as a view.
+        # A [2, k] selection of up to four distinct addresses (one repeated, padding), as a view.
         chosen = data.draw(st.lists(st.sampled_from(addresses), min_size=1, max_size=4, unique=True))
-        selection = [*chosen, chosen[0], -1]
-        dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
-        topk = data.draw(caller_indices(selection, dtype)).view(1, -1)
+        selection = [*chosen, chosen[0], -1] + [-1] * (len(chosen) % 2)
+        topk = data.draw(caller_indices(selection, data.draw(INDEX_DTYPES), (2, len(selection) // 2)))
         memory = _memory_of(topk)
         _assert_slots_hold(pool, selection, pool.prepare(0, topk).slots.reshape(-1).tolist(), expected)
         assert torch.equal(_memory_of(topk), memory), "prepare changed the caller's selection"
@@ -178,7 +213,7 @@ def test_a_row_cut_from_a_wider_tensor(kind: str) -> None:
     """``w[:, :8]`` of ``[1, 11]``: torch calls it contiguous, its row stride is 11 bytes."""
     with pool_of(kind, 8) as pool:
         seq = pool.admit(1)
-        w = torch.zeros(1, 11, dtype=torch.uint8)
+        w = torch.zeros(1, 11, dtype=torch.uint8, device=DEVICE)
         w[0, :8] = torch.arange(1, 9)
         pool.write(0, seq.addresses, w[:, :8])
         assert pool.read(0, seq.addresses).tolist() == [list(range(1, 9))]
@@ -189,7 +224,7 @@ def test_bf16_memory_viewed_as_bytes_at_an_offset_of_two(kind: str) -> None:
     """``b[1:9].view(torch.uint8)``: packed, but 2 bytes past a word boundary."""
     with pool_of(kind, 8) as pool:
         pool.admit(1)
-        b = torch.arange(10, dtype=torch.bfloat16)
+        b = torch.arange(10, dtype=torch.bfloat16, device=DEVICE)
         v = b[1:9].view(torch.uint8).view(2, 8)
         seq = pool.admit(2)
         pool.write(0, seq.addresses, v)
@@ -199,7 +234,7 @@ def test_bf16_memory_viewed_as_bytes_at_an_offset_of_two(kind: str) -> None:
 def _bug_cases_on_ranks(rank: int, world: int) -> None:
     """Both cases on a two-rank striped pool: rows homed on either rank, fetched into the buffer."""
     layout = Striped(world=world, rank=rank, buffer_slots=4, inner=Tiered(gpu_slots=2, cpu_slots=6))
-    pool = Pool(_config(8, layout))
+    pool = Pool(_config(8, layout, torch.device("cpu")))  # gloo ranks, kernels interpreted
     w = torch.zeros(4, 11, dtype=torch.uint8)
     w[:, :8] = torch.arange(1, 33, dtype=torch.uint8).view(4, 8)
     b = torch.arange(1, 18, dtype=torch.bfloat16)
@@ -223,7 +258,7 @@ def _written_pool(width: int = 8, n: int = 6) -> tuple[Pool, list[int], dict[tup
     gen = torch.Generator().manual_seed(5)
     expected = {}
     for layer in range(LAYERS):
-        rows = torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=gen)
+        rows = torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=gen).to(DEVICE)
         pool.write(layer, seq.addresses, rows)
         expected.update({(layer, a): rows[i] for i, a in enumerate(seq.addresses.tolist())})
     return pool, seq.addresses.tolist(), expected
@@ -231,10 +266,10 @@ def _written_pool(width: int = 8, n: int = 6) -> tuple[Pool, list[int], dict[tup
 
 OUT_VIEWS = {
     # the first k columns of an engine's [max_batch, max_k] buffer (row-major: row 0 first)
-    "columns-of-wider": lambda k: torch.full((2, k + 3), 99, dtype=torch.int32)[:, :k],
-    "transposed": lambda k: torch.full((k, 2), 99, dtype=torch.int32).t(),
-    "every-other": lambda k: torch.full((2 * k,), 99, dtype=torch.int32)[::2],
-    "packed-larger-than-needed": lambda k: torch.full((k + 5,), 99, dtype=torch.int32),
+    "columns-of-wider": lambda k: torch.full((2, k + 3), 99, dtype=torch.int32, device=DEVICE)[:, :k],
+    "transposed": lambda k: torch.full((k, 2), 99, dtype=torch.int32, device=DEVICE).t(),
+    "every-other": lambda k: torch.full((2 * k,), 99, dtype=torch.int32, device=DEVICE)[::2],
+    "packed-larger-than-needed": lambda k: torch.full((k + 5,), 99, dtype=torch.int32, device=DEVICE),
 }
 
 
@@ -243,13 +278,14 @@ def test_out_of_any_view_receives_the_slots_in_row_major_order(how: str) -> None
     pool, addresses, expected = _written_pool()
     twin, _, _ = _written_pool()
     selection = [addresses[0], addresses[5], -1, addresses[2], addresses[0]]
-    want = twin.prepare(0, torch.tensor([selection])).slots.view(-1)
+    want = twin.prepare(0, torch.tensor([selection], device=DEVICE)).slots.view(-1)
     _assert_slots_hold(twin, selection, want.tolist(), expected)
     out = OUT_VIEWS[how](len(selection))
     base = out if out._base is None else out._base
     after = base.clone()  # what base must hold: the slots in out's first elements, nothing else
-    after.as_strided(out.shape, out.stride(), out.storage_offset()).put_(torch.arange(len(want)), want)
-    pool.run(pool.plan(0, torch.tensor([selection]), out=out))
+    at = torch.arange(len(want), device=DEVICE)
+    after.as_strided(out.shape, out.stride(), out.storage_offset()).put_(at, want)
+    pool.run(pool.plan(0, torch.tensor([selection], device=DEVICE), out=out))
     assert torch.equal(base, after)
 
 
@@ -258,20 +294,20 @@ def test_out_that_is_the_selection_itself() -> None:
     slots are out, so the pool reads a copy of it."""
     pool, addresses, expected = _written_pool()
     selection = [addresses[4], addresses[1], -1, addresses[3]]
-    topk = torch.tensor([selection], dtype=torch.int32)
+    topk = torch.tensor([selection], dtype=torch.int32, device=DEVICE)
     pool.run(pool.plan(0, topk, out=topk))
     _assert_slots_hold(pool, selection, topk.view(-1).tolist(), expected)
-    again = pool.prepare(0, torch.tensor([selection])).slots.view(-1).tolist()
+    again = pool.prepare(0, torch.tensor([selection], device=DEVICE)).slots.view(-1).tolist()
     assert again == topk.view(-1).tolist()  # the pool's state is what a plain prepare leaves
 
 
-@pytest.mark.parametrize("kind", ["tiered", "offload", "striped"])
+@pytest.mark.parametrize("kind", ["offload", "striped"])
 def test_rows_that_are_a_view_of_the_pools_own_buffer(kind: str) -> None:
     """Copying entries through the pool's own GPU rows (a fork of a request's tail): the write may
     move those very rows, so it reads a copy of them."""
     with pool_of(kind, 8) as pool:
         seq = pool.admit(4)
-        rows = torch.arange(32, dtype=torch.uint8).view(4, 8) + 1
+        rows = torch.arange(1, 33, dtype=torch.uint8, device=DEVICE).view(4, 8)
         pool.write(0, seq.addresses, rows)
         slots = pool.prepare(0, seq.addresses.view(1, 4)).slots.view(-1)
         buffer = pool.gpu_buffer(0)
@@ -282,6 +318,61 @@ def test_rows_that_are_a_view_of_the_pools_own_buffer(kind: str) -> None:
         pool.write(0, fork.addresses, window)
         assert torch.equal(pool.read(0, fork.addresses), want)
         assert torch.equal(pool.read(0, seq.addresses), rows)
+
+
+def test_a_write_whose_rows_view_the_slot_its_own_miss_evicts() -> None:
+    """Rows ``gpu_buffer(0)[s : s + 2]`` written to a hit homed elsewhere and to a new entry whose
+    miss evicts slot ``s``: the miss's row lands in ``s`` before the hit's row is read from it, so
+    the write must read a copy (read in place, the hit got the new entry's bytes)."""
+    pool = Pool(_config(8, Tiered(gpu_slots=4, cpu_slots=12)))
+    seq = pool.admit(4)
+    a = seq.addresses.tolist()
+    rows = torch.arange(1, 33, dtype=torch.uint8, device=DEVICE).view(4, 8)
+    pool.write(0, seq.addresses, rows)
+    pool.prepare(0, torch.tensor([a[1:]], device=DEVICE))  # a new round: a[0] is the one to evict
+    new = int(pool.admit(1).addresses)
+    s = int(pool.residency(0, seq.addresses[:1]))
+    window = pool.gpu_buffer(0)[s : s + 2]
+    want = window.clone()
+    pool.write(0, torch.tensor([a[2], new], device=DEVICE), window)
+    assert pool.residency(0, torch.tensor([a[0], new], device=DEVICE)).tolist() == [-1, s]  # it did evict
+    assert torch.equal(pool.read(0, torch.tensor([a[2], new], device=DEVICE)), want)
+    assert torch.equal(pool.read(0, seq.addresses[:1]), rows[:1])
+
+
+def test_out_whose_elements_share_memory_is_refused_before_anything_changes() -> None:
+    pool, addresses, _ = _written_pool()
+    before = pool.state_dict()
+    out = torch.full((1,), 99, dtype=torch.int32, device=DEVICE).expand(3)
+    with pytest.raises(InvalidInputError, match="share memory"):
+        pool.plan(0, torch.tensor([addresses[:3]], device=DEVICE), out=out)
+    assert_same_state(before, pool.state_dict())
+
+
+@pytest.mark.parametrize("phase", ["out", "evict", "in"])
+def test_a_strided_out_is_filled_once_the_slots_exist_even_across_an_interrupt(phase: str) -> None:
+    """The slots reach a strided ``out`` with the ``evict`` phase: not before (interrupted after
+    ``out``: untouched until the pool finishes the plan), not twice."""
+    pool, addresses, expected = _written_pool()
+    selection = [addresses[5], addresses[0], -1]
+    out = OUT_VIEWS["every-other"](len(selection))
+    with interrupt_after(pool, phase), pytest.raises(PlanInterrupted):
+        pool.run(pool.plan(0, torch.tensor([selection], device=DEVICE), out=out))
+    if phase == "out":
+        assert out.tolist() == [99] * len(selection)
+    pool.stats()  # any call finishes the plan first
+    _assert_slots_hold(pool, selection, out.tolist(), expected)
+
+
+def test_a_refused_prepare_fills_a_strided_out_with_minus_one() -> None:
+    """Without validation a refusal is recorded on the device: every slot is -1, in ``out`` too."""
+    pool = Pool(_config(8, Tiered(gpu_slots=4, cpu_slots=12)).replace(validate=False))
+    seq = pool.admit(3)
+    out = OUT_VIEWS["columns-of-wider"](3)
+    pool.run(pool.plan(0, torch.tensor([[int(seq.addresses[0]), 999, -1]], device=DEVICE), out=out))
+    assert out[0].tolist() == [-1, -1, -1] and out[1].tolist() == [99, 99, 99]
+    with pytest.raises(InvalidAddressError):
+        pool.check()
 
 
 # -- the operand rules themselves ----------------------------------------------------------------------
@@ -324,13 +415,17 @@ def test_indices_at_an_unaligned_address_are_copied() -> None:
     assert not writable_in_place(torch.frombuffer(bytearray(64), dtype=torch.int32, offset=1, count=4))
 
 
-def test_pool_rows_that_are_not_words_raise() -> None:
-    from ulakv import UlakvError
-
+def test_pool_rows_the_kernels_cannot_view_raise() -> None:
+    """The pool's own rows are never copied: a layout they cannot be viewed in is a bug, raised."""
     with pytest.raises(UlakvError, match="not 4-byte aligned"):
         as_words(torch.zeros(40, dtype=torch.uint8)[2:34].view(4, 8))
-    with pytest.raises(UlakvError, match="not words"):
+    with pytest.raises(UlakvError, match="not packed"):
         as_words(torch.zeros(4, 11, dtype=torch.uint8)[:2, :8])
+    with pytest.raises(UlakvError, match="not packed"):  # bytes too: rows are stepped by the width
+        as_words(torch.zeros(2, 5, 13, dtype=torch.uint8)[:, :, :6])
+    with pytest.raises(UlakvError, match="not words"):  # layers 17 bytes apart
+        as_words(torch.zeros(64, dtype=torch.uint8).as_strided((3, 2, 8), (17, 8, 1)))
+    assert as_words(torch.zeros(3, 10, 8, dtype=torch.uint8)[:, :4]).shape == (3, 4, 2)  # layers apart: fine
 
 
 def test_overlap_is_judged_by_byte_ranges() -> None:
@@ -349,11 +444,11 @@ def test_views_cost_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     one read-back."""
     pool = Pool(_config(8, Tiered(gpu_slots=4, cpu_slots=12)).replace(validate=False))
     seq = pool.admit(3)
-    b = torch.arange(1, 26, dtype=torch.bfloat16)
+    b = torch.arange(1, 26, dtype=torch.bfloat16, device=DEVICE)
     rows = b[1:13].view(torch.uint8).view(3, 8)  # 2 bytes past a word
     addrs = torch.stack([seq.addresses, seq.addresses]).t()[:, 0]  # stride 2
     topk = torch.stack([seq.addresses.flip(0), seq.addresses]).t()[:, :1].t()  # [1, 3], stride 2
-    out = torch.full((2, 6), -7, dtype=torch.int32)[:, ::2]
+    out = torch.full((2, 6), -7, dtype=torch.int32, device=DEVICE)[:, ::2]
     with no_host_sync(monkeypatch):
         pool.write(0, addrs, rows)
         pool.write(1, addrs, rows)
