@@ -180,7 +180,7 @@ class Pool(PoolFrame):
             if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.numel() < topk.numel():
                 raise InvalidInputError(f"prepare: out must be an int32 tensor of >= {topk.numel()} elements")
             if torch._debug_has_internal_overlap(out) == 1:  # 1: certainly (an expanded tensor)
-                raise InvalidInputError("prepare: out's elements share memory (expanded?); a slot needs its own")
+                raise InvalidInputError("prepare: out's elements share memory (expanded?); a slot needs one")
             self._check_device("prepare: out", out)
         self._finish_pending()
         if topk.numel() == 0:
