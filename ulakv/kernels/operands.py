@@ -19,13 +19,13 @@ So there are two kinds of operand:
 - a caller's tensors (``readable_rows``, ``readable_indices``): the caller's memory when the kernels
   can read it in place (an aligned packed tensor costs nothing extra), else one packed, aligned copy.
   An output buffer the kernels cannot store into in place (``writable_in_place``) is filled by a copy
-  after the kernel wrote the pool's own.
+  after the kernel wrote the pool's own (``fill_out``).
 
 Both kinds decide words or bytes by the width alone (``moves_words``), so the rows of one launch are
 all words or all bytes. ``may_overlap`` tells when a caller's tensor shares memory with what a call
 writes: a write whose rows are a view of the pool's own rows, or a ``prepare`` whose output buffer is
 its own selection, would read bytes the call has already overwritten, so the pool copies the input
-first. None of this reads device memory: it looks at shapes, strides and pointers.
+first (``detached``). None of this reads device memory: it looks at shapes, strides and pointers.
 """
 
 from __future__ import annotations
@@ -99,6 +99,14 @@ def writable_in_place(out: torch.Tensor) -> bool:
     return _fits(out, out.element_size())
 
 
+def fill_out(out: torch.Tensor, values: torch.Tensor) -> None:
+    """Put ``values`` (``[n]``) into the first ``n`` elements of ``out`` (any view, row-major order):
+    two small device ops, no host sync. An inference tensor is written in inference mode, the only
+    place torch lets it be written."""
+    with torch.inference_mode(out.is_inference()):
+        out.put_(torch.arange(values.numel(), device=out.device), values)
+
+
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """The byte range ``[start, stop)`` that ``t``'s elements lie in (torch strides are never
     negative, so the first element is the lowest)."""
@@ -117,3 +125,9 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     (a0, a1), (b0, b1) = _extent(a), _extent(b)
     return a0 < b1 and b0 < a1
+
+
+def detached(t: torch.Tensor, *written: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it when it may share memory with any of ``written`` (what the call is
+    about to overwrite while it still reads ``t``)."""
+    return t.clone() if any(may_overlap(t, w) for w in written) else t

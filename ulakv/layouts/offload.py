@@ -33,7 +33,7 @@ from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
 from ..kernels import release as release_mod
-from ..kernels.operands import as_words, may_overlap
+from ..kernels.operands import as_words, detached
 from .tiered import BufferState, TieredLayout, miss_positions
 
 _ids = itertools.count(1 << 21)
@@ -229,8 +229,7 @@ class OffloadPool(PoolFrame):
         W = self.config.entry.bytes_per_layer
         flat = addrs.to(torch.int64)
         self._check_live("write", flat, padding=True, unique=True)
-        if may_overlap(rows, self._rows) or may_overlap(rows, self._history):
-            rows = rows.clone()  # a view of rows this write moves: torch refuses, mid-way
+        rows = detached(rows, self._rows, self._history)  # index_copy_ refuses overlaps, half-way
         Q = self.config.layout.slots_per_request
         valid = flat >= 0
         kept = flat[valid]  # padding rows are dropped

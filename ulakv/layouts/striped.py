@@ -40,7 +40,7 @@ from ..frame import PoolFrame
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import release as release_mod
-from ..kernels.operands import may_overlap, readable_indices, readable_rows
+from ..kernels.operands import detached, readable_indices, readable_rows
 from .tiered import BufferState, TieredLayout, miss_positions
 
 _ids = itertools.count(1 << 20)
@@ -157,8 +157,7 @@ class StripedPool(PoolFrame):
         self._check_write(layer, addrs, rows)
         self._check_usable()
         self._check_live("write", addrs, unique=True)  # on every rank, before any rank changes anything
-        if may_overlap(rows, self._rows):  # a view of rows this write moves: torch refuses, mid-way
-            rows = rows.clone()
+        rows = detached(rows, self._rows)  # index_copy_ below refuses an overlap, after inner's write
         _, local = self._local_of(addrs.to(torch.int64))
         self.inner.write(layer, local, rows)
         g = self.config.group_of(layer)

@@ -219,14 +219,6 @@ def miss_positions(plan: TransferPlan) -> torch.Tensor:
     return torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(need)]).long()
 
 
-def deliver(slots: torch.Tensor, out: torch.Tensor) -> None:
-    """Put ``slots`` (int32 ``[T]``) into the first ``T`` elements of ``out`` (any view, row-major
-    order): two small device ops, no host sync. An inference tensor is written in inference mode,
-    where torch allows it."""
-    with torch.inference_mode(out.is_inference()):
-        out.put_(torch.arange(slots.numel(), device=out.device), slots)
-
-
 @dataclass(eq=False)
 class CallScratch(_Tensors):
     """Per-call scratch, sized for up to ``capacity`` selection elements (grown, never shrunk)."""
@@ -324,23 +316,21 @@ class TieredLayout:
         st, cfg, kernels = self.state, self.config, self.kernels
         write = rows is not None
         flat = operands.readable_indices(selection)
-        if out is not None and operands.may_overlap(out, flat):
-            flat = flat.clone()  # apply reads the selection after the evict phase has written out
-        if write:
-            rows = operands.readable_rows(rows)
-            if operands.may_overlap(rows, st.gpu_data) or operands.may_overlap(rows, st.cpu_data):
-                rows = rows.clone()  # a view of the very rows this write may move
+        if out is not None:  # apply reads the selection after its evict phase has written out
+            flat = operands.detached(flat, out)
+        if write:  # rows that view the very rows this write may move
+            rows = operands.detached(operands.readable_rows(rows), st.gpu_data, st.cpu_data)
         T = flat.numel()
         scratch = self.scratch(T)
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
         launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width)
-        slots, deliver = None, None
+        slots, fill_later = None, None
         if not write:
             if out is not None and operands.writable_in_place(out):
                 slots = out.view(-1)[:T]
             else:
-                slots, deliver = torch.empty(T, dtype=torch.int32, device=flat.device), out
+                slots, fill_later = torch.empty(T, dtype=torch.int32, device=flat.device), out
         plan = TransferPlan(
             group=group,
             layers=layers,
@@ -350,7 +340,7 @@ class TieredLayout:
             rows=rows,
             write_layer=layer,
             ctl=st.ctl,
-            out=deliver,
+            out=fill_later,
         )
         return plan, launches
 
@@ -392,8 +382,8 @@ class TieredLayout:
         if start <= Phase.IN <= until:
             plan.layers_in.update(in_layers)
         plan.applied = max(plan.applied, int(until))  # first: the phases ran, whatever follows
-        if plan.out is not None and start <= Phase.EVICT <= until:  # the slots are written: deliver
-            deliver(plan.slots, plan.out)
+        if plan.out is not None and start <= Phase.EVICT <= until:  # the slots exist: hand them over
+            operands.fill_out(plan.out, plan.slots)
         return launches
 
     def run(
