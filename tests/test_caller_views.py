@@ -32,6 +32,7 @@ from ulakv import (
     Tiered,
     UlakvError,
 )
+from ulakv.kernels import operands
 from ulakv.kernels.operands import as_words, may_overlap, readable_indices, readable_rows, writable_in_place
 from ulakv.plans import PlanInterrupted, interrupt_after
 from ulakv.spawn import run_ranks
@@ -350,18 +351,28 @@ def test_out_whose_elements_share_memory_is_refused_before_anything_changes() ->
 
 
 @pytest.mark.parametrize("phase", ["out", "evict", "in"])
-def test_a_strided_out_is_filled_once_the_slots_exist_even_across_an_interrupt(phase: str) -> None:
+def test_a_strided_out_is_filled_once_the_slots_exist_even_across_an_interrupt(
+    phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The slots reach a strided ``out`` with the ``evict`` phase: not before (interrupted after
-    ``out``: untouched until the pool finishes the plan), not twice."""
+    ``out``: untouched until the pool finishes the plan), and exactly once."""
+    fills, fill = [], operands.fill_out
+
+    def counted(out: torch.Tensor, values: torch.Tensor) -> None:
+        fills.append(out)
+        fill(out, values)
+
+    monkeypatch.setattr(operands, "fill_out", counted)
     pool, addresses, expected = _written_pool()
     selection = [addresses[5], addresses[0], -1]
     out = OUT_VIEWS["every-other"](len(selection))
     with interrupt_after(pool, phase), pytest.raises(PlanInterrupted):
         pool.run(pool.plan(0, torch.tensor([selection], device=DEVICE), out=out))
     if phase == "out":
-        assert out.tolist() == [99] * len(selection)
+        assert out.tolist() == [99] * len(selection) and not fills
     pool.stats()  # any call finishes the plan first
     _assert_slots_hold(pool, selection, out.tolist(), expected)
+    assert len(fills) == 1
 
 
 def test_a_refused_prepare_fills_a_strided_out_with_minus_one() -> None:
