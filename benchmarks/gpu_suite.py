@@ -48,9 +48,9 @@ from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import release as release_mod
 from ulakv.kernels._triton import count_launches
 from ulakv.kernels.operands import as_words
-from ulakv.layouts.tiered import REFERENCE
-from ulakv.plans import Phase
+from ulakv.layouts.tiered_state import REFERENCE
 from ulakv.traces import SyntheticSpec, synthetic
+from ulakv.transfer import Phase
 
 ROW = 656  # GLM-5 / DeepSeek-V3.2 FP8 latent bytes a token-layer
 

@@ -27,7 +27,7 @@ if __name__ == "__main__":
 import torch
 
 from ulakv import PBLRU, ExactLRU
-from ulakv.policies.pblru import bucket_bits, level_offsets, search
+from ulakv.kernels.buckets import bucket_bits, level_offsets, search
 from ulakv.replay import replay
 from ulakv.traces import SyntheticSpec, synthetic
 

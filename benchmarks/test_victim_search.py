@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulakv.policies.pblru import bucket_bits, level_offsets, search
+from ulakv.kernels.buckets import bucket_bits, level_offsets, search
 
 VICTIMS = 64
 SIZES = [16 * 1024, 256 * 1024, 4 * 1024 * 1024]

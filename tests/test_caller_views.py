@@ -34,8 +34,8 @@ from ulakv import (
 )
 from ulakv.kernels import operands
 from ulakv.kernels.operands import as_words, may_overlap, readable_indices, readable_rows, writable_in_place
-from ulakv.plans import PlanInterrupted, interrupt_after
 from ulakv.spawn import run_ranks
+from ulakv.transfer import PlanInterrupted, interrupt_after
 
 LAYERS = 2  # one group of two layers: a prepare moves both
 # Not the ``device`` fixture: hypothesis draws many examples per call of a test function.

@@ -22,8 +22,8 @@ from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import lookup as lookup_mod
 from ulakv.kernels import release as release_mod
 from ulakv.kernels.operands import as_words, readable_rows
-from ulakv.layouts.tiered import REFERENCE, TRITON, BufferState, TieredLayout
-from ulakv.plans import Phase
+from ulakv.layouts.tiered_state import REFERENCE, TRITON, BufferState, TieredLayout
+from ulakv.transfer import Phase
 
 POISON = -7
 

@@ -34,7 +34,7 @@ from ulakv import (
     InvalidAddressError,
     Pool,
 )
-from ulakv.plans import PlanInterrupted, interrupt_after
+from ulakv.transfer import PlanInterrupted, interrupt_after
 
 INDEX_DTYPES = st.sampled_from([torch.int32, torch.int64])
 

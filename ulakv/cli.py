@@ -9,7 +9,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from .plan import (
+from .capacity import (
     HARDWARE,
     MODELS,
     SYSTEMS,

@@ -1,17 +1,36 @@
-"""What every kind of pool shares: its shape and the checks of its arguments.
+"""What every kind of pool shares: its shape, the checks of its arguments, what ``prepare``
+returns, and the debug switch.
 
-``Pool`` (tiered, replicated), a striped rank (``ulakv.layouts.striped``) and the CPU-offload
-baseline (``ulakv.layouts.offload``) keep ``config``, ``device``, ``_allocator`` and ``_id``; each
-refuses a bad group, layer, device or sequence with the same words.
+A tiered or replicated pool (``ulakv.layouts.tiered``), a striped rank (``ulakv.layouts.striped``)
+and the CPU-offload baseline (``ulakv.layouts.offload``) keep ``config``, ``device``, ``_allocator``,
+``_id`` and ``_debug``; each refuses a bad group, layer, device or sequence with the same words, and
+each runs ``_after_call`` after every call that changes it.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
 from .address_space import LogicalAllocator, Sequence
 from .config import PoolConfig
 from .errors import InvalidAddressError, InvalidInputError, UlakvError
+
+
+def debug_enabled() -> bool:
+    """``ULAKV_DEBUG=1``: validate every call and check every invariant after it (host syncs by
+    design). Read here only, once per pool, when it is built."""
+    return os.environ.get("ULAKV_DEBUG", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What ``prepare`` returns: int32 GPU slots in the selection's shape (-1 where padding)."""
+
+    group: int
+    slots: torch.Tensor
 
 
 def same_device(t: torch.Tensor, device: torch.device) -> bool:
@@ -25,6 +44,15 @@ class PoolFrame:
     device: torch.device
     _allocator: LogicalAllocator
     _id: int
+    _debug: bool = False
+
+    def check_invariants(self) -> None:
+        raise NotImplementedError
+
+    def _after_call(self) -> None:
+        """After every call that changes the pool: under ``ULAKV_DEBUG=1``, every invariant."""
+        if self._debug:
+            self.check_invariants()
 
     @property
     def capacity(self) -> int:

@@ -8,7 +8,7 @@ import torch
 from .address_space import FREE, LogicalAllocator
 from .errors import InvariantError
 from .kernels import common as K
-from .policies.pblru import PBLRUBits
+from .kernels.buckets import PBLRUBits
 
 
 def _fail(group: int, message: str) -> None:

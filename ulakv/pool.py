@@ -1,347 +1,45 @@
-"""The pool: the one object an engine talks to. It validates, keeps the books, and delegates.
+"""``Pool(config)``: the one object an engine talks to, built for the layout its config names.
 
-Everything an engine calls per step (``prepare``, ``write``) runs without a host synchronisation
-unless validation is on (see ``PoolConfig.validate``); admission and release are host bookkeeping
-plus one kernel. Device state lives in the layout (``TieredState``); this module holds no kernel code.
+One table says which kind of pool serves which layout; the kinds live in ``ulakv.layouts`` and never
+import this module, so the layering runs one way (config -> layouts -> pool -> engine and tools).
+Every kind has the calls and counters of the contract in ``docs/design.md``.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-from dataclasses import dataclass
+import abc
 
-import torch
+from .config import CPUOffloadBaseline, LayoutConfig, PoolConfig, Replicated, Striped, Tiered
+from .errors import InvalidInputError
+from .frame import PoolFrame, Selection
+from .layouts.offload import OffloadPool
+from .layouts.striped import StripedPool
+from .layouts.tiered import TieredPool
 
-from .address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, runs_of
-from .config import CPUOffloadBaseline, PoolConfig, Replicated, Striped
-from .errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
-from .frame import PoolFrame
-from .invariants import check_invariants
-from .kernels import common as K
-from .kernels.operands import readable_indices
-from .layouts.tiered import TieredLayout, TieredState
-from .plans import Phase, PlanInterrupted, TransferPlan
+__all__ = ["POOL_KINDS", "Pool", "Selection"]
 
-_pool_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class Selection:
-    """What ``prepare`` returns: GPU slots in the selection's shape (-1 where padding)."""
-
-    group: int
-    slots: torch.Tensor
+#: The pool class of each layout: a Replicated pool is one GPU-only tiered replica counted world
+#: times; a Striped config builds this rank's part; the CPU-offload baseline is its own kind.
+POOL_KINDS: dict[type[LayoutConfig], type[PoolFrame]] = {
+    Tiered: TieredPool,
+    Replicated: TieredPool,
+    Striped: StripedPool,
+    CPUOffloadBaseline: OffloadPool,
+}
 
 
-def _debug_enabled() -> bool:
-    return os.environ.get("ULAKV_DEBUG", "0") not in ("", "0")
+class Pool(metaclass=abc.ABCMeta):  # noqa: B024 - an interface for isinstance, no abstract calls
+    """A KV-cache pool built from a :class:`PoolConfig`: ``Pool(config)`` returns the kind its
+    layout names (``POOL_KINDS``), and every kind is a ``Pool`` for ``isinstance``."""
 
-
-class Pool(PoolFrame):
-    """A KV-cache pool built from a :class:`PoolConfig` (see DESIGN section 6 for the contract)."""
-
-    def __new__(cls, config: PoolConfig, **kwargs):
-        if isinstance(config, PoolConfig) and isinstance(config.layout, Striped):
-            from .layouts.striped import StripedPool  # a rank of a tensor-parallel pool
-
-            return StripedPool(config)
-        if isinstance(config, PoolConfig) and isinstance(config.layout, CPUOffloadBaseline):
-            from .layouts.offload import OffloadPool  # the CPU-offload baseline
-
-            return OffloadPool(config)
-        return super().__new__(cls)
-
-    def __init__(self, config: PoolConfig, *, _gpu_data: torch.Tensor | None = None) -> None:
+    def __new__(cls, config: PoolConfig) -> Pool:
         if not isinstance(config, PoolConfig):
             raise InvalidInputError(f"Pool needs a PoolConfig, got {type(config).__name__}")
-        self.config = config
-        self.device = config.torch_device
-        self._id = next(_pool_ids)
-        self._seq_ids = itertools.count()
-        self._debug = _debug_enabled()
-        if config.validate is not None and not self._debug:
-            self._validate = config.validate
-        else:
-            self._validate = self._debug or self.device.type == "cpu"
-        # A replica of a Replicated pool is stored as a GPU-only tiered pool; stats() counts the
-        # other world - 1 replicas' slots too.
-        layout = config.layout
-        self._replicas = layout.world if isinstance(layout, Replicated) else 1
-        self._storage = config.replace(layout=layout.storage) if isinstance(layout, Replicated) else config
-        self._state = TieredState.allocate(self._storage, gpu_data=_gpu_data)
-        self._layout = TieredLayout(self._storage, self._state)
-        self._allocator = LogicalAllocator(config.layout.capacity)
-        self._launches = 0
-        # The plan planned last and not yet run to the end: the plan kernel has already taken its
-        # slots from the free stacks and the policy, so the next call finishes it first.
-        self._pending: TransferPlan | None = None
-        self._interrupt: Phase | None = None  # set by ulakv.plans.interrupt_after (tests)
+        kind = POOL_KINDS.get(type(config.layout))
+        if kind is None:
+            raise InvalidInputError(f"no pool kind serves a {type(config.layout).__name__} layout")
+        return kind(config)
 
-    # -- shape of the pool (capacity, free_addresses, num_groups, group_layers: PoolFrame) -------
-    def gpu_buffer(self, layer: int) -> torch.Tensor:
-        """uint8 ``[gpu_slots + 1, bytes_per_layer]``: the rows ``prepare``'s slots index (row
-        ``gpu_slots`` is a dummy that absorbs padding writes)."""
-        self._check_layer(layer)
-        return self._state.gpu_data[layer]
 
-    def reserve_scratch(self, elements: int) -> None:
-        """Size the per-call scratch for selections of up to ``elements`` elements now and keep it
-        (for CUDA-graph capture: the captured kernels point at it); larger calls, such as a long
-        prefill write, get scratch of their own instead of replacing it."""
-        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
-            raise InvalidInputError(f"reserve_scratch: elements must be a positive int, got {elements!r}")
-        self._layout.reserve(elements)
-
-    # -- admission -------------------------------------------------------------------------------
-    def admit(self, num_tokens: int) -> Sequence:
-        """A new request of ``num_tokens`` tokens; raises CapacityError and changes nothing if the
-        pool cannot hold them."""
-        self._finish_pending()
-        taken = self._allocator.take(num_tokens)
-        seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
-        self._home(seq, taken)
-        return seq
-
-    def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
-        """Append ``num_tokens`` tokens to ``seq``; returns their addresses."""
-        self._check_seq(seq)
-        self._finish_pending()
-        taken = self._allocator.take(num_tokens)
-        return self._home(seq, taken)
-
-    def _home(self, seq: Sequence, taken: list[range]) -> torch.Tensor:
-        new = addresses_on(taken, self.device)
-        if taken:
-            self._state.mapping[:, new] = UNHOMED
-            seq._append(taken)
-        return new
-
-    def release(self, seq: Sequence) -> None:
-        """Return every address and slot of ``seq`` in every group."""
-        self._check_seq(seq)
-        self._release_addresses(seq._runs, seq.addresses)
-        seq.released = True
-
-    def _release_addresses(self, addresses: list[range], on_device: torch.Tensor) -> None:
-        self._finish_pending()
-        if self.device.type != "meta":  # a capacity plan's pool holds no device state to free
-            self._launches += self._layout.release(on_device)
-        self._allocator.give_back(addresses)
-        if self._allocator.free == self._allocator.capacity:
-            # No request left: put the policy back in its fresh state (invariant 6, exactly).
-            self._state.reset_residency()
-        self._after_call()
-
-    def _take_exact(self, addresses: list[range]) -> None:
-        """Admit exactly ``addresses`` (runs), which must be the lowest free ones (a striped pool's
-        rank takes the local part of what the global allocator handed out: its lowest free, too)."""
-        self._finish_pending()
-        want = runs_of(addresses)
-        taken = self._allocator.take(sum(len(r) for r in want))
-        if runs_of(taken) != want:
-            self._allocator.give_back(taken)
-            raise UlakvError(f"striped admission out of step: expected {want[:2]}..., got {taken[:2]}...")
-        if taken:
-            self._state.mapping[:, addresses_on(taken, self.device)] = UNHOMED
-
-    # -- the hot path ----------------------------------------------------------------------------
-    def prepare(self, group: int, topk: torch.Tensor) -> Selection:
-        """Make every address of ``topk`` (``[B, K]`` or ``[B, Q, K]``, -1 = padding) GPU-resident
-        and return their slots. Starts a new round for ``group``."""
-        plan = self.plan(group, topk)
-        if plan is not None:
-            self.run(plan)
-            slots = plan.slots
-        else:
-            slots = torch.empty(0, dtype=torch.int32, device=self.device)
-        return Selection(group, slots.view(topk.shape))
-
-    def plan(self, group: int, topk: torch.Tensor, out: torch.Tensor | None = None) -> TransferPlan | None:
-        """The first half of ``prepare``: decide every move ``topk`` needs, on the device, and
-        move nothing (the lookup and plan kernels). ``out`` (int32, at least ``topk.numel()``
-        elements) receives the slots in its first ``topk.numel()`` elements, in row-major order, when
-        the plan runs, so a captured step writes to a fixed buffer (a packed ``out`` directly; any
-        other view by one copy after the ``evict`` phase). ``None`` for an empty selection. Run the
-        plan with :meth:`run`. ``topk``, ``out`` (and a write's ``rows``) may be any view of any
-        memory: offsets, strides and alignment are the pool's concern (``ulakv.kernels.operands``)."""
-        self._check_group(group)
-        self._need_kernels("prepare")
-        if not isinstance(topk, torch.Tensor):
-            raise InvalidInputError(f"prepare: topk must be a tensor, got {type(topk).__name__}")
-        if topk.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
-        if topk.dim() not in (2, 3):
-            raise InvalidInputError(
-                f"prepare: topk must be [batch, k] or [batch, q, k], got shape {tuple(topk.shape)}"
-            )
-        self._check_device("prepare: topk", topk)
-        if out is not None:
-            if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.numel() < topk.numel():
-                raise InvalidInputError(f"prepare: out must be an int32 tensor of >= {topk.numel()} elements")
-            if torch._debug_has_internal_overlap(out) == 1:  # 1: certainly (an expanded tensor)
-                raise InvalidInputError("prepare: out's elements share memory (expanded?); a slot needs one")
-            self._check_device("prepare: out", out)
-        self._finish_pending()
-        if topk.numel() == 0:
-            return None
-        plan, launches = self._layout.plan(group, topk, out=out)
-        self._launches += launches
-        self._raise_if_failed("prepare", plan)
-        self._pending = plan
-        return plan
-
-    def run(self, plan: TransferPlan, until: Phase = Phase.COMMIT, in_layers: range | None = None) -> None:
-        """Run ``plan`` (from :meth:`plan`) through phase ``until``; the ``in`` phase moves the
-        group's layers ``in_layers`` (default: all not moved yet). An engine runs the first layer
-        (``until=Phase.IN, in_layers=range(first, first + 1)``), then the rest on a side stream.
-        Only the pool's latest plan runs: any other call in between finishes it first."""
-        if plan is not self._pending:
-            raise InvalidInputError(
-                "run: this plan is not the pool's latest (it was finished, or a later call planned); "
-                "plan again"
-            )
-        stop = self._interrupt
-        if stop is not None and stop < until:
-            self._launches += self._layout.execute(plan, until=stop, in_layers=in_layers)
-            raise PlanInterrupted(
-                f"plan for group {plan.group} interrupted after its {stop.name.lower()} phase; every "
-                "entry is readable at its old home, and the pool finishes the plan before its next call",
-                stop,
-            )
-        self._launches += self._layout.execute(plan, until=until, in_layers=in_layers)
-        self._pending = None if plan.finished else plan
-        if plan.finished:
-            self._after_call()
-
-    def _finish_pending(self) -> None:
-        """Finish the latest plan if it was not run to the end (never run, run in part, or
-        interrupted): its remaining phases, before anything else."""
-        if self._pending is not None:
-            plan, self._pending = self._pending, None
-            if not plan.finished:  # a run whose last step failed after its phases
-                self._launches += self._layout.execute(plan)
-            self._after_call()
-
-    def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store ``rows`` (uint8 ``[n, bytes_per_layer]``) as layer ``layer`` of ``addrs``
-        (``[n]``, -1 = padding row). New entries get a home in the layer's group. ``rows`` may be
-        any view (a slice of a wider tensor, bf16 or fp8 memory viewed as bytes, at any offset):
-        read in place when packed and aligned, else copied once."""
-        self._check_write(layer, addrs, rows)
-        self._finish_pending()
-        if addrs.numel() == 0:
-            return
-        plan, launches = self._layout.plan(self.config.group_of(layer), addrs, rows=rows, layer=layer)
-        self._launches += launches
-        self._raise_if_failed("write", plan)
-        self._pending = plan
-        self.run(plan)
-
-    # -- slow paths ------------------------------------------------------------------------------
-    def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
-        """The bytes of ``addrs`` in ``layer``, from whichever tier holds them (synchronises)."""
-        self._check_layer(layer)
-        self._need_kernels("read")
-        self.check()
-        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
-        addrs = readable_indices(addrs.to(self.device))
-        self._check_live("read", addrs)
-        return self._layout.read(layer, addrs)
-
-    def residency(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
-        """GPU slot of each address in ``group``, -1 where it is on the CPU or has no home."""
-        self._check_group(group)
-        addrs = addrs.reshape(-1).to(self.device)
-        self._check_live("residency", addrs)
-        home = self._state.mapping[group, addrs]
-        return torch.where((home >= 0) & (home < self._state.gpu_slots), home, -1)
-
-    def stats(self) -> dict[str, int]:
-        """Counters (cumulative) and occupancy; synchronises, and raises a deferred error."""
-        self._finish_pending()
-        self.check()
-        st = self._state
-        G, C = st.gpu_slots, st.cpu_slots
-        groups = self.num_groups
-        gpu_used = groups * G - int(st.gctl[:, int(K.G_GPU_FREE)].sum())
-        cpu_used = groups * C - int(st.gctl[:, int(K.G_CPU_FREE)].sum())
-        counters = dict(zip(K.STAT_NAMES, st.stats.tolist(), strict=False))
-        return {
-            "live_addresses": self.capacity - self.free_addresses,
-            "distinct_entries": int((st.mapping >= 0).sum()),
-            # every replica's slots (a Replicated pool is one of world equal replicas)
-            "physical_slots_used": self._replicas * (gpu_used + cpu_used),
-            "replicas": self._replicas,
-            "gpu_slots_used": gpu_used,
-            "cpu_slots_used": cpu_used,
-            **counters,
-            "launches": self._launches,
-        }
-
-    def check(self) -> None:
-        """Raise (and clear) an error that a non-validating ``prepare``/``write`` recorded."""
-        pending = int(self._state.ctl[int(K.E_PENDING)])
-        if pending:
-            self._state.ctl[int(K.E_PENDING)] = 0
-            raise self._status_error("an earlier call", pending, None)
-
-    def check_invariants(self) -> None:
-        """Check DESIGN invariants 1, 4-6 on the whole state (synchronises; for tests and debug)."""
-        self._finish_pending()
-        check_invariants(self._state, self._allocator)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of every tensor that says where entries live, what they hold and the counters."""
-        st = self._state
-        out = {name: getattr(st, name).clone() for name in TieredState.RESIDENCY}
-        out.update(
-            gpu_data=st.gpu_data.clone(),
-            cpu_data=st.cpu_data.clone(),
-            stats=st.stats.clone(),
-            pending=st.ctl[int(K.E_PENDING)].clone(),
-        )
-        return out
-
-    # -- checks ----------------------------------------------------------------------------------
-    def _raise_if_failed(self, what: str, plan: TransferPlan) -> None:
-        if not self._validate:
-            return
-        status = int(self._state.ctl[int(K.E_LAST_STATUS)])
-        if status:
-            self._state.ctl[int(K.E_PENDING)] = 0
-            raise self._status_error(what, status, plan)
-
-    def _status_error(self, what: str, status: int, plan: TransferPlan | None) -> UlakvError:
-        if status & int(K.ST_BAD_ADDRESS):
-            detail = ""
-            if plan is not None:
-                flat = plan.addresses
-                bad = (plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
-                offenders = flat[bad][:5].tolist()
-                detail = f": {offenders}"
-            return InvalidAddressError(
-                f"{what}: addresses out of range [0, {self.capacity}) or not live{detail}; nothing changed"
-            )
-        if status & int(K.ST_DUPLICATE):
-            return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
-        if status & int(K.ST_TOO_LARGE):
-            layout = self._storage.layout
-            return CapacityError(
-                f"{what}: the selection has more distinct addresses than the {layout.max_selection} a "
-                f"prepare may select (gpu_slots {layout.gpu_slots}, staging_slots {layout.cpu_staging}); "
-                "nothing changed"
-            )
-        return UlakvError(f"{what}: failed with status {status}; nothing changed")
-
-    def _after_call(self) -> None:
-        if self._debug:
-            self.check_invariants()
-
-    def _check_live(self, what: str, addrs: torch.Tensor) -> None:
-        in_range = (addrs >= 0) & (addrs < self.capacity)
-        if not bool(in_range.all()):
-            raise InvalidAddressError(f"{what}: addresses out of range [0, {self.capacity})")
-        if bool((self._state.mapping[0, addrs] == -1).any()):
-            raise InvalidAddressError(f"{what}: addresses not live (released or never admitted)")
+for _kind in set(POOL_KINDS.values()):
+    Pool.register(_kind)

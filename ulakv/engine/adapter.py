@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidInputError
-from ..plans import Phase, TransferPlan
-from ..pool import Pool
+from ..layouts.tiered import TieredPool
+from ..transfer import Phase, TransferPlan
 
 
 @dataclass(eq=False)
@@ -64,7 +64,7 @@ class SparseKV:
 
     def __init__(
         self,
-        pool: Pool,
+        pool: TieredPool,
         *,
         max_batch: int,
         top_k: int,

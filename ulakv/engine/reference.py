@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import CPUOffloadBaseline, EntrySpec, PoolConfig, Replicated, Striped, Tiered
+from ..layouts.tiered import TieredPool
 from ..pool import Pool
 from .adapter import GroupStep, SparseKV
 from .indexer import global_topk, index_scores, topk_merge
@@ -129,7 +130,7 @@ class PoolKV:
             SparseKV(
                 self.pool, max_batch=max_batch, top_k=spec.topk, max_queries=spec.queries, prefetch=prefetch
             )
-            if isinstance(self.pool, Pool)
+            if isinstance(self.pool, TieredPool)  # plan and run: the kinds SparseKV drives
             else None
         )
         self.seqs: dict[int, object] = {}

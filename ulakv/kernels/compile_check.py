@@ -30,9 +30,9 @@ def compile_all(arch: int = 90) -> list[str]:
     from triton.runtime.jit import JITFunction, mangle_type
 
     from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+    from ulakv.kernels.buckets import bucket_bits, search
     from ulakv.kernels.operands import readable_rows
-    from ulakv.layouts.tiered import BufferState, TieredLayout
-    from ulakv.policies.pblru import bucket_bits, search
+    from ulakv.layouts.tiered_state import BufferState, TieredLayout
 
     target = GPUTarget("cuda", arch, 32)
     compiled: dict[tuple, str] = {}

@@ -11,7 +11,7 @@ program):
    count distinct/hit/miss, mark their GPU slot as protected for this call, and list the misses of
    their chunk in order. Duplicates (speculative query positions, layers' repeats) only read.
 
-3. ``plan`` (``ulakv.kernels.plan``): the last ``classify`` program to finish runs it. Each program
+3. victims (``ulakv.kernels.victims``): the last ``classify`` program to finish runs it. Each program
    ends with a barrier and an acquire-release ``atomic_add`` on an arrival counter; the program that
    draws ticket ``P - 1`` has seen every other program's stores (each released them, the chain of
    read-modify-writes carries them, its acquire takes them), so it plans without a launch of its
@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import torch
 
-from ..policies import pblru
-from ..policies.pblru import PBLRUBits
+from . import buckets
 from . import common as K
 from ._triton import tl, triton
-from .plan import BLOCK, plan_program, plan_reference
+from .buckets import PBLRUBits
+from .victims import BLOCK, victims_program, victims_reference
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def classify_kernel(
         if go:
             rnd = tl.load(gctl_ptr + K.G_ROUND)
             cur = rnd if WRITE else rnd + 1
-            pblru.touch(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, cur, rnd + 1, home, hit)
+            buckets.touch(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, cur, rnd + 1, home, hit)
     flags = (
         first.to(tl.int8) * K.F_FIRST
         + on_gpu.to(tl.int8) * K.F_GPU
@@ -161,7 +161,7 @@ def classify_kernel(
     if ticket == P - 1:
         tl.debug_barrier()
         tl.store(ctl_ptr + K.E_ARRIVED, 0)
-        plan_program(
+        victims_program(
             home_ptr,
             counts_ptr,
             miss_pos_ptr,
@@ -252,7 +252,7 @@ def lookup_and_plan_reference(
 ) -> None:
     """Plain-Python twin of :func:`lookup_and_plan`."""
     lookup_reference(st, g, sel, scratch, write)
-    plan_reference(st, g, scratch, sel.numel(), write, group_row_bytes, layer_row_bytes)
+    victims_reference(st, g, scratch, sel.numel(), write, group_row_bytes, layer_row_bytes)
 
 
 def lookup_reference(st, g: int, sel, scratch, write: bool) -> None:

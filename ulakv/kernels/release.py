@@ -7,10 +7,10 @@ result is deterministic. Not on the decode critical path: a request leaves once.
 
 from __future__ import annotations
 
-from ..policies import pblru
-from ..policies.pblru import PBLRUBits
+from . import buckets
 from . import common as K
 from ._triton import tl, triton
+from .buckets import PBLRUBits
 
 BLOCK = 1024
 
@@ -57,9 +57,9 @@ def release_kernel(
             if POLICY == K.PBLRU:
                 stamp = tl.load(stamp_ptr + slot, mask=on_gpu, other=0)
                 ref = tl.load(row + K.G_ROUND) + 1
-                bucket = pblru.bucket_of(stamp, ref, R).to(tl.int64)
+                bucket = buckets.bucket_of(stamp, ref, R).to(tl.int64)
                 group_bits = bits_ptr + g * (R + 1) * BW
-                pblru.clear_path(group_bits, bucket * BW, lvl_ptr, n_levels, h, on_gpu)
+                buckets.clear_path(group_bits, bucket * BW, lvl_ptr, n_levels, h, on_gpu)
             tl.store(owner_ptr + slot, tl.full((BLOCK,), -1, tl.int32), mask=on_gpu)
             tl.store(ver_ptr + slot, tl.load(ver_ptr + slot, mask=on_gpu, other=0) + 1, mask=on_gpu)
             tl.store(map_ptr + g * N + a, tl.full((BLOCK,), -1, tl.int32), mask=im)

@@ -28,13 +28,13 @@ import torch
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import CPUOffloadBaseline, ExactLRU, PoolConfig, Tiered
 from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError
-from ..frame import PoolFrame
+from ..frame import PoolFrame, Selection, debug_enabled
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
 from ..kernels import release as release_mod
 from ..kernels.operands import as_words, detached
-from .tiered import BufferState, TieredLayout, miss_positions
+from .tiered_state import BufferState, TieredLayout, miss_positions
 
 _ids = itertools.count(1 << 21)
 
@@ -60,15 +60,13 @@ class OffloadPool(PoolFrame):
     """A ``CPUOffloadBaseline`` pool, with the calls and counters of :class:`ulakv.Pool`."""
 
     def __init__(self, config: PoolConfig) -> None:
-        from ..pool import _debug_enabled
-
         lay: CPUOffloadBaseline = config.layout
         self.config = config
         self.device = config.torch_device
         N, R, Q = lay.cpu_slots, lay.max_requests, lay.slots_per_request
         L, W = config.num_layers, config.entry.bytes_per_layer
         meta = self.device.type == "meta"
-        self._debug = _debug_enabled()
+        self._debug = debug_enabled()
         # History row N is a zero row that padding gathers point at (the map sends N nowhere).
         self._history = (
             torch.empty((L, N + 1, W), dtype=torch.uint8, device=self.device)
@@ -157,8 +155,6 @@ class OffloadPool(PoolFrame):
     def prepare(self, group: int, topk: torch.Tensor):
         """Bring every selected address into its request's GPU buffer; slots index
         ``gpu_buffer(layer)``. Each request's buffer decides alone (its own LRU and quota)."""
-        from ..pool import Selection
-
         self._check_group(group)
         if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
             raise InvalidInputError("prepare: topk must be a [batch, k] or [batch, q, k] tensor")
@@ -332,10 +328,6 @@ class OffloadPool(PoolFrame):
             raise InvariantError("an address's request disagrees with the allocator")
 
     # -- checks ----------------------------------------------------------------------------------
-    def _after_call(self) -> None:
-        if self._debug:
-            self.check_invariants()
-
     def _check_live(self, what: str, flat: torch.Tensor, padding: bool = False, unique: bool = False) -> None:
         N = self.capacity
         out = (flat >= N) | (flat < (-1 if padding else 0))

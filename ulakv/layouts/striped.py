@@ -36,12 +36,13 @@ import torch.distributed as dist
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import PoolConfig, Striped, Tiered
 from ..errors import CapacityError, CollectiveError, InvalidAddressError, InvalidInputError, UlakvError
-from ..frame import PoolFrame
+from ..frame import PoolFrame, Selection, debug_enabled
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import release as release_mod
 from ..kernels.operands import detached, readable_indices, readable_rows
-from .tiered import BufferState, TieredLayout, miss_positions
+from .tiered import TieredPool
+from .tiered_state import BufferState, TieredLayout, miss_positions
 
 _ids = itertools.count(1 << 20)
 
@@ -61,8 +62,6 @@ class StripedPool(PoolFrame):
     arguments in the same order (DESIGN section 6). Built by ``Pool(config)``."""
 
     def __init__(self, config: PoolConfig) -> None:
-        from ..pool import Pool
-
         lay: Striped = config.layout
         # On the meta device (a capacity plan: no data, no collectives) no process group is needed.
         if config.torch_device.type != "meta":
@@ -80,7 +79,7 @@ class StripedPool(PoolFrame):
         width = config.entry.bytes_per_layer
         self._offset = S + 1  # buffer slot b is row S + 1 + b of gpu_buffer(layer)
         self._rows = torch.zeros((L, S + 1 + B + 1, width), dtype=torch.uint8, device=self.device)
-        self.inner = Pool(config.replace(layout=lay.inner), _gpu_data=self._rows[:, : S + 1])
+        self.inner = TieredPool(config.replace(layout=lay.inner), _gpu_data=self._rows[:, : S + 1])
         buffer_cfg = config.replace(layout=Tiered(gpu_slots=B, cpu_slots=0, policy=lay.policy))
         self._buffer = BufferState.allocate(
             buffer_cfg, gpu_data=self._rows[:, S + 1 :], addresses=lay.capacity
@@ -89,6 +88,7 @@ class StripedPool(PoolFrame):
         self._buffer_layout = TieredLayout(buffer_cfg, self._buffer)
         self._allocator = LogicalAllocator(lay.capacity)
         self._id = next(_ids)
+        self._debug = debug_enabled()
         self._seq_ids = itertools.count()
         self.bytes_received = 0  # rows fetched from other ranks, cumulative
         self.collectives = 0
@@ -107,11 +107,14 @@ class StripedPool(PoolFrame):
     def admit(self, num_tokens: int) -> Sequence:
         seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
         self._home(seq, self._allocator.take(num_tokens))
+        self._after_call()
         return seq
 
     def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
         self._check_seq(seq)
-        return self._home(seq, self._allocator.take(num_tokens))
+        new = self._home(seq, self._allocator.take(num_tokens))
+        self._after_call()
+        return new
 
     def _local(self, runs: list[range]) -> list[range]:
         """The local addresses (``t // world``) of the runs' addresses homed on this rank."""
@@ -145,6 +148,7 @@ class StripedPool(PoolFrame):
         seq.released = True
         if self._allocator.free == self._allocator.capacity:
             self._buffer.reset_residency()
+        self._after_call()
 
     # -- the hot path ----------------------------------------------------------------------------
     def _local_of(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,12 +170,11 @@ class StripedPool(PoolFrame):
         dummy = self._rows.shape[1] - 1
         rows_at = torch.where(cached, self._offset + held.long(), dummy)
         self._rows[layer].index_copy_(0, rows_at, rows)
+        self._after_call()
 
     def prepare(self, group: int, topk: torch.Tensor):
         """Collective: every rank passes the same ``topk`` and gets slots into its own
         ``gpu_buffer(layer)``; misses are fetched from their homes with one all-gather."""
-        from ..pool import Selection
-
         self._check_usable()
         self.inner._check_group(group)
         if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
@@ -198,12 +201,14 @@ class StripedPool(PoolFrame):
                 )
             raise InvalidAddressError("prepare: addresses out of range or not live; nothing changed")
         try:
-            return self._fetch_and_apply(group, topk, flat, plan, layers)
+            selection = self._fetch_and_apply(group, topk, flat, plan, layers)
         except BaseException as exc:
             # The buffer's plan has taken slots and moved its policy, and the ranks may be out of
             # step: nothing further on this pool can be trusted.
             self._broken = f"{type(exc).__name__}: {exc}"
             raise
+        self._after_call()
+        return selection
 
     def _check_per_home(self, flat: torch.Tensor) -> None:
         """Refuse, on every rank alike, a selection with more distinct addresses homed on one rank
@@ -223,8 +228,6 @@ class StripedPool(PoolFrame):
             )
 
     def _fetch_and_apply(self, group, topk, flat, plan, layers):
-        from ..pool import Selection
-
         T = flat.numel()
         mine, local = self._local_of(flat)
         inner_slots = self.inner.prepare(group, local.view(1, T)).slots.view(-1)

@@ -1,411 +1,321 @@
-"""The exclusive tiered layout: every entry on the GPU or on the CPU, never both.
+"""The pool of a ``Tiered`` layout (and of a ``Replicated`` one, stored as one GPU-only replica):
+it validates, keeps the books, and delegates.
 
-``TieredState`` holds every device tensor of a tiered pool; ``TieredLayout`` runs the kernels of one
-``prepare`` or ``write`` in order (claim, classify + plan, apply: three launches) and of ``release`` and
-``read``. Nothing here reads a device value on the host.
+Everything an engine calls per step (``prepare``, ``write``) runs without a host synchronisation
+unless validation is on (see ``PoolConfig.validate``); admission and release are host bookkeeping
+plus one kernel. Device state and the order of kernels over it live in ``tiered_state``; this module
+holds no kernel code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+import itertools
 
 import torch
 
-from ..config import ExactLRU, PoolConfig
-from ..errors import InvalidInputError, UlakvError
-from ..kernels import apply as apply_mod
+from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, runs_of
+from ..config import PoolConfig, Replicated
+from ..errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
+from ..frame import PoolFrame, Selection, debug_enabled
+from ..invariants import check_invariants
 from ..kernels import common as K
-from ..kernels import gather as gather_mod
-from ..kernels import lookup as lookup_mod
-from ..kernels import operands
-from ..kernels import release as release_mod
-from ..kernels._triton import triton
-from ..plans import Phase, TransferPlan
-from ..policies.pblru import level_offsets
+from ..kernels.operands import readable_indices
+from ..transfer import Phase, PlanInterrupted, TransferPlan
+from .tiered_state import TieredLayout, TieredState
+
+_pool_ids = itertools.count(1)
 
 
-def _fill_stack(stack: torch.Tensor, count: int) -> None:
-    """Free-slot stack whose top (highest index) is slot 0, so a fresh pool hands out 0, 1, 2..."""
-    stack.zero_()
-    if count:
-        stack[:, :count] = torch.arange(count - 1, -1, -1, dtype=stack.dtype, device=stack.device)
+class TieredPool(PoolFrame):
+    """The pool of a ``Tiered`` or ``Replicated`` layout (``ulakv.Pool(config)`` builds it; the
+    public contract of every call is in ``docs/design.md``)."""
 
-
-class _Tensors:
-    """A dataclass whose every field is a tensor: list them, copy them."""
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def clone(self):
-        return type(self)(**{k: v.clone() for k, v in self.tensors().items()})
-
-
-@dataclass(eq=False)
-class TieredState(_Tensors):
-    """All device state of a tiered pool. Row ``g`` of each ``[groups, ...]`` tensor is group ``g``."""
-
-    mapping: torch.Tensor  # int32 [groups, addresses]: see ulakv.address_space
-    owner: torch.Tensor  # int32 [groups, G]: address homed in each GPU slot, -1 if free
-    ver: torch.Tensor  # int32 [groups, G]: bumped on every touch; stale LRU pairs differ
-    q_slot: torch.Tensor  # int32 [groups, 2G]: LRU ring, oldest at gctl[G_HEAD]
-    q_ver: torch.Tensor  # int32 [groups, 2G]
-    gpu_free: torch.Tensor  # int32 [groups, G]: stack of free GPU slots
-    cpu_free: torch.Tensor  # int32 [groups, max(C, 1)]: stack of free CPU rows (C includes staging)
-    stamp: torch.Tensor  # int32 [groups, G]: PB-LRU, round a slot was last used
-    bits: torch.Tensor  # int32 [groups, (buckets + 1) * bucket_words]: PB-LRU bitmaps + summaries
-    levels: torch.Tensor  # int64 [levels + 1]: word offset of each summary level in a bucket
-    frontier: torch.Tensor  # int32 [2, leaf words]: PB-LRU search scratch
-    gctl: torch.Tensor  # int64 [groups, GCTL_WORDS]
-    ctl: torch.Tensor  # int64 [CTL_WORDS]: call-scoped scratch and the pending error
-    stats: torch.Tensor  # int64 [STATS_WORDS]: cumulative counters
-    claim: torch.Tensor  # int64 [addresses]: dedup scratch, tagged by epoch
-    mark: torch.Tensor  # int64 [G]: protection scratch, tagged by epoch
-    gpu_data: torch.Tensor  # uint8 [layers, G + 1, bytes]; row G is the dummy slot
-    cpu_data: torch.Tensor  # uint8 [layers, C + 1, bytes]; pinned host memory beside a GPU
-
-    # A buffer of entries homed on other ranks (``ulakv.layouts.striped``) drops its victims and
-    # fetches its misses; a tiered pool's own state swaps them with its CPU tier.
-    CACHE = False
-
-    # State that says where entries live and what the policy knows: what a failed call must not
-    # change, and what a pool with no requests resets to.
-    RESIDENCY = (
-        "mapping",
-        "owner",
-        "ver",
-        "q_slot",
-        "q_ver",
-        "gpu_free",
-        "cpu_free",
-        "stamp",
-        "bits",
-        "gctl",
-    )
-
-    @classmethod
-    def allocate(
-        cls, config: PoolConfig, gpu_data: torch.Tensor | None = None, addresses: int | None = None
-    ) -> TieredState:
-        """A fresh state for ``config`` (a ``Tiered`` layout). ``gpu_data`` (uint8 ``[layers, G + 1,
-        bytes]``, possibly a view into a larger buffer) replaces the GPU rows it would allocate;
-        ``addresses`` widens the address space beyond the layout's capacity (a buffer's)."""
-        layout, device = config.layout, config.torch_device
-        # CPU rows: the admitted tier plus staging rows, all on one free stack.
-        G, C, groups = layout.gpu_slots, layout.cpu_slots + layout.cpu_staging, config.num_groups
-        N, B, L = addresses or layout.capacity, config.entry.bytes_per_layer, config.num_layers
-        if gpu_data is not None and tuple(gpu_data.shape) != (L, G + 1, B):
-            raise ValueError(f"gpu_data must be [{L}, {G + 1}, {B}], got {tuple(gpu_data.shape)}")
-        if gpu_data is not None:
-            operands.as_words(gpu_data)  # the kernels view it as words: raises now, not mid-call
-        i32 = dict(dtype=torch.int32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
-        pin = device.type == "cuda"
-        lru = isinstance(layout.policy, ExactLRU)
-        # Each policy's own state; the other policy's arguments get one-word stand-ins.
-        ring = 2 * G if lru else 1
-        offsets = [0, 1] if lru else level_offsets(G)
-        bucket_words = offsets[-1]
-        buckets = 0 if lru else layout.policy.num_buckets
-        state = cls(
-            mapping=torch.empty((groups, N), **i32),
-            owner=torch.empty((groups, G), **i32),
-            ver=torch.empty((groups, G), **i32),
-            q_slot=torch.empty((groups, ring), **i32),
-            q_ver=torch.empty((groups, ring), **i32),
-            stamp=torch.empty((groups, G if not lru else 1), **i32),
-            bits=torch.empty((groups, (buckets + 1) * bucket_words), **i32),
-            levels=torch.tensor(offsets, **i64),
-            frontier=torch.empty((2, offsets[1]), **i32),
-            gpu_free=torch.empty((groups, G), **i32),
-            cpu_free=torch.empty((groups, max(C, 1)), **i32),
-            gctl=torch.empty((groups, K.GCTL_WORDS), **i64),
-            ctl=torch.zeros(K.CTL_WORDS, **i64),
-            stats=torch.zeros(K.STATS_WORDS, **i64),
-            claim=torch.zeros(N, **i64),
-            mark=torch.zeros(G, **i64),
-            gpu_data=gpu_data
-            if gpu_data is not None
-            else torch.zeros((L, G + 1, B), dtype=torch.uint8, device=device),
-            cpu_data=torch.zeros((L, C + 1, B), dtype=torch.uint8, pin_memory=pin)
-            if device.type != "meta"
-            else torch.empty((L, C + 1, B), dtype=torch.uint8, device=device),
-        )
-        state.ctl[int(K.E_EPOCH)] = 1
-        state.ctl[int(K.E_MAX_SELECTION)] = layout.max_selection
-        state.mapping.fill_(-1)
-        state.reset_residency()
-        return state
-
-    def reset_residency(self) -> None:
-        """Every slot free, the LRU queue empty: what a fresh pool has (mapping is left alone)."""
-        self.owner.fill_(-1)
-        self.ver.zero_()
-        self.q_slot.zero_()
-        self.q_ver.zero_()
-        self.stamp.zero_()
-        self.bits.zero_()
-        _fill_stack(self.gpu_free, self.gpu_slots)
-        _fill_stack(self.cpu_free, self.cpu_slots)
-        self.gctl.zero_()
-        self.gctl[:, int(K.G_GPU_FREE)] = self.gpu_slots
-        self.gctl[:, int(K.G_CPU_FREE)] = self.cpu_slots
-
-    @property
-    def gpu_slots(self) -> int:
-        return self.owner.shape[1]
-
-    @property
-    def cpu_slots(self) -> int:
-        """Physical CPU rows, staging rows included."""
-        return self.cpu_data.shape[1] - 1
-
-    @property
-    def cpu_stack_size(self) -> int:
-        return self.cpu_free.shape[1]
-
-    @property
-    def num_groups(self) -> int:
-        return self.mapping.shape[0]
-
-    @property
-    def policy(self) -> int:
-        """K.EXACT_LRU or K.PBLRU, as the kernels' POLICY constexpr."""
-        return K.EXACT_LRU if self.q_slot.shape[1] > 1 else K.PBLRU
-
-    @property
-    def num_buckets(self) -> int:
-        """PB-LRU ring size (0 under exact LRU)."""
-        return self.bits.shape[1] // self.bucket_words - 1
-
-    @property
-    def bucket_words(self) -> int:
-        return 1 if self.policy == K.EXACT_LRU else level_offsets(self.gpu_slots)[-1]
-
-    def pblru_args(self, g: int) -> tuple:
-        """Arguments every kernel takes for PB-LRU (stand-ins under exact LRU), in kernel order:
-        bits, bucket words, level offsets, number of levels, stamps, ring size, frontier, its size."""
-        return (
-            self.bits[g],
-            self.bucket_words,
-            self.levels,
-            self.levels.numel() - 1,  # summary levels, leaf included
-            self.stamp[g],
-            self.num_buckets,
-            self.frontier,
-            self.frontier.shape[1],
-        )
-
-    @property
-    def num_addresses(self) -> int:
-        return self.mapping.shape[1]
-
-
-@dataclass(eq=False)
-class BufferState(TieredState):
-    """A striped rank's buffer of entries homed elsewhere: the same state and kernels as a tier,
-    but victims are dropped (their home is another rank) and misses come from fetched rows."""
-
-    CACHE = True
-
-
-def miss_positions(plan: TransferPlan) -> torch.Tensor:
-    """Positions (in the plan's addresses) of a buffer's misses, in the order its apply expects
-    their fetched rows: chunk by chunk. Reads the per-chunk counts back on the host (a buffer's
-    caller sizes its fetch with them)."""
-    sc, T = plan.scratch, plan.addresses.numel()
-    need = sc.counts[: triton.cdiv(T, K.CHUNK), int(K.C_NEED)].tolist()
-    return torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(need)]).long()
-
-
-@dataclass(eq=False)
-class CallScratch(_Tensors):
-    """Per-call scratch, sized for up to ``capacity`` selection elements (grown, never shrunk)."""
-
-    home: torch.Tensor  # int32 [cap]: mapping value at lookup
-    flags: torch.Tensor  # int8 [cap]: F_* bits
-    first_pos: torch.Tensor  # int32 [cap]: position of the address's first occurrence
-    miss_rank: torch.Tensor  # int32 [cap]: rank of a miss within its chunk
-    miss_pos: torch.Tensor  # int32 [chunks * CHUNK]: each chunk's misses, in order
-    counts: torch.Tensor  # int32 [chunks, COUNT_WORDS]
-    chunk_off: torch.Tensor  # int64 [chunks, OFF_WORDS]: miss, queue and CPU-push offsets
-    victims: torch.Tensor  # int32 [cap]: GPU slot of each miss, in miss order
-    popped: torch.Tensor  # int32 [cap]: CPU slots popped for this call
-
-    @classmethod
-    def allocate(cls, capacity: int, device: torch.device) -> CallScratch:
-        chunks = triton.cdiv(capacity, K.CHUNK)
-        i32 = dict(dtype=torch.int32, device=device)
-        return cls(
-            home=torch.empty(capacity, **i32),
-            flags=torch.empty(capacity, dtype=torch.int8, device=device),
-            first_pos=torch.empty(capacity, **i32),
-            miss_rank=torch.empty(capacity, **i32),
-            miss_pos=torch.empty(chunks * K.CHUNK, **i32),
-            counts=torch.empty((chunks, K.COUNT_WORDS), **i32),
-            chunk_off=torch.empty((chunks, K.OFF_WORDS), dtype=torch.int64, device=device),
-            victims=torch.empty(capacity, **i32),
-            popped=torch.empty(capacity, **i32),
-        )
-
-    @property
-    def capacity(self) -> int:
-        return self.home.numel()
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The two stages of a call: plan (claim, then classify + plan) and apply. Tests swap either
-    for its plain reference (same signature)."""
-
-    plan: Callable
-    apply: Callable
-
-    def returning_launches(self) -> Kernels:
-        """References return None; count them as the launches of the kernels they mirror."""
-        wrap = lambda fn, n: lambda *a, **k: (fn(*a, **k), n)[1]
-        return Kernels(wrap(self.plan, 2), wrap(self.apply, 1))
-
-
-TRITON = Kernels(lookup_mod.lookup_and_plan, apply_mod.apply)
-REFERENCE = Kernels(lookup_mod.lookup_and_plan_reference, apply_mod.apply_reference).returning_launches()
-
-
-class TieredLayout:
-    """Runs the kernels of a tiered pool over a ``TieredState``."""
-
-    def __init__(self, config: PoolConfig, state: TieredState) -> None:
+    def __init__(self, config: PoolConfig, *, _gpu_data: torch.Tensor | None = None) -> None:
+        if not isinstance(config, PoolConfig):
+            raise InvalidInputError(f"Pool needs a PoolConfig, got {type(config).__name__}")
         self.config = config
-        self.state = state
-        self._scratch: CallScratch | None = None
-        self._reserved = False
-        self.kernels = TRITON
+        self.device = config.torch_device
+        self._id = next(_pool_ids)
+        self._seq_ids = itertools.count()
+        self._debug = debug_enabled()
+        if config.validate is not None and not self._debug:
+            self._validate = config.validate
+        else:
+            self._validate = self._debug or self.device.type == "cpu"
+        # A replica of a Replicated pool is stored as a GPU-only tiered pool; stats() counts the
+        # other world - 1 replicas' slots too.
+        layout = config.layout
+        self._replicas = layout.world if isinstance(layout, Replicated) else 1
+        self._storage = config.replace(layout=layout.storage) if isinstance(layout, Replicated) else config
+        self._state = TieredState.allocate(self._storage, gpu_data=_gpu_data)
+        self._layout = TieredLayout(self._storage, self._state)
+        self._allocator = LogicalAllocator(config.layout.capacity)
+        self._launches = 0
+        # The plan planned last and not yet run to the end: the plan kernel has already taken its
+        # slots from the free stacks and the policy, so the next call finishes it first.
+        self._pending: TransferPlan | None = None
+        self._interrupt: Phase | None = None  # set by ulakv.transfer.interrupt_after (tests)
 
-    def scratch(self, elements: int) -> CallScratch:
-        """Call scratch for ``elements``: the layout's own, grown to a power of two so a serving
-        loop allocates a handful of times, then never; once reserved (``reserve``), it stays put
-        (a captured CUDA graph points at it) and a larger call gets scratch of its own."""
-        if self._scratch is not None and self._scratch.capacity >= elements:
-            return self._scratch
-        fresh = CallScratch.allocate(max(K.CHUNK, K.next_pow2(elements)), self.config.torch_device)
-        if not self._reserved:
-            self._scratch = fresh
-        return fresh
+    # -- shape of the pool (capacity, free_addresses, num_groups, group_layers: PoolFrame) -------
+    def gpu_buffer(self, layer: int) -> torch.Tensor:
+        """uint8 ``[gpu_slots + 1, bytes_per_layer]``: the rows ``prepare``'s slots index (row
+        ``gpu_slots`` is a dummy that absorbs padding writes)."""
+        self._check_layer(layer)
+        return self._state.gpu_data[layer]
 
-    def reserve(self, elements: int) -> None:
-        """Size the call scratch for ``elements`` and never replace it."""
-        self._reserved = False
-        self.scratch(elements)
-        self._reserved = True
+    def reserve_scratch(self, elements: int) -> None:
+        """Size the per-call scratch for selections of up to ``elements`` elements now and keep it
+        (for CUDA-graph capture: the captured kernels point at it); larger calls, such as a long
+        prefill write, get scratch of their own instead of replacing it."""
+        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
+            raise InvalidInputError(f"reserve_scratch: elements must be a positive int, got {elements!r}")
+        self._layout.reserve(elements)
 
-    def plan(
-        self,
-        group: int,
-        selection: torch.Tensor,
-        *,
-        rows: torch.Tensor | None = None,
-        layer: int = 0,
-        out: torch.Tensor | None = None,
-    ) -> tuple[TransferPlan, int]:
-        """Plan one ``prepare`` (``rows is None``) or ``write`` of the addresses ``selection`` (int32
-        or int64, any shape, -1 padding): the lookup and plan kernels, no data moved. ``rows`` (uint8
-        ``[n, bytes_per_layer]``) and ``out`` (int32, at least ``n`` elements: a prepare's slots, in
-        row-major order) may be any view of any memory (see ``ulakv.kernels.operands``); ``out`` is
-        allocated when ``None``. Returns the plan and the launches (2). No host sync."""
-        st, cfg, kernels = self.state, self.config, self.kernels
-        write = rows is not None
-        flat = operands.readable_indices(selection)
-        if out is not None:  # apply reads the selection after its evict phase has written out
-            flat = operands.detached(flat, out)
-        if write:  # rows that view the very rows this write may move
-            rows = operands.detached(operands.readable_rows(rows), st.gpu_data, st.cpu_data)
-        T = flat.numel()
-        scratch = self.scratch(T)
-        layers = cfg.group_layers(group)
-        width = cfg.entry.bytes_per_layer
-        launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width)
-        slots, fill_later = None, None
-        if not write:
-            if out is not None and operands.writable_in_place(out):
-                slots = out.view(-1)[:T]
-            else:
-                slots, fill_later = torch.empty(T, dtype=torch.int32, device=flat.device), out
-        plan = TransferPlan(
-            group=group,
-            layers=layers,
-            addresses=flat,
-            scratch=scratch,
-            slots=slots,
-            rows=rows,
-            write_layer=layer,
-            ctl=st.ctl,
-            out=fill_later,
-        )
-        return plan, launches
+    # -- admission -------------------------------------------------------------------------------
+    def admit(self, num_tokens: int) -> Sequence:
+        """A new request of ``num_tokens`` tokens; raises CapacityError and changes nothing if the
+        pool cannot hold them."""
+        self._finish_pending()
+        taken = self._allocator.take(num_tokens)
+        seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
+        self._home(seq, taken)
+        return seq
 
-    def execute(
-        self,
-        plan: TransferPlan,
-        until: Phase = Phase.COMMIT,
-        in_layers: range | None = None,
-        fetched: torch.Tensor | None = None,
-    ) -> int:
-        """Run ``plan``'s phases from where it stopped through ``until``; the ``in`` phase moves
-        ``in_layers`` (default: every layer not moved yet), from ``fetched`` for a buffer.
-        Returns launches (1)."""
-        if plan.finished:
-            raise UlakvError("this plan has already been run to the end")
-        remaining = plan.layers_to_move()
-        in_layers = remaining if in_layers is None else in_layers
-        if in_layers and (in_layers.start != remaining.start or in_layers.stop > remaining.stop):
+    def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
+        """Append ``num_tokens`` tokens to ``seq``; returns their addresses."""
+        self._check_seq(seq)
+        self._finish_pending()
+        taken = self._allocator.take(num_tokens)
+        return self._home(seq, taken)
+
+    def _home(self, seq: Sequence, taken: list[range]) -> torch.Tensor:
+        new = addresses_on(taken, self.device)
+        if taken:
+            self._state.mapping[:, new] = UNHOMED
+            seq._append(taken)
+        return new
+
+    def release(self, seq: Sequence) -> None:
+        """Return every address and slot of ``seq`` in every group."""
+        self._check_seq(seq)
+        self._release_addresses(seq._runs, seq.addresses)
+        seq.released = True
+
+    def _release_addresses(self, addresses: list[range], on_device: torch.Tensor) -> None:
+        self._finish_pending()
+        if self.device.type != "meta":  # a capacity plan's pool holds no device state to free
+            self._launches += self._layout.release(on_device)
+        self._allocator.give_back(addresses)
+        if self._allocator.free == self._allocator.capacity:
+            # No request left: put the policy back in its fresh state (invariant 6, exactly).
+            self._state.reset_residency()
+        self._after_call()
+
+    def _take_exact(self, addresses: list[range]) -> None:
+        """Admit exactly ``addresses`` (runs), which must be the lowest free ones (a striped pool's
+        rank takes the local part of what the global allocator handed out: its lowest free, too)."""
+        self._finish_pending()
+        want = runs_of(addresses)
+        taken = self._allocator.take(sum(len(r) for r in want))
+        if runs_of(taken) != want:
+            self._allocator.give_back(taken)
+            raise UlakvError(f"striped admission out of step: expected {want[:2]}..., got {taken[:2]}...")
+        if taken:
+            self._state.mapping[:, addresses_on(taken, self.device)] = UNHOMED
+
+    # -- the hot path ----------------------------------------------------------------------------
+    def prepare(self, group: int, topk: torch.Tensor) -> Selection:
+        """Make every address of ``topk`` (``[B, K]`` or ``[B, Q, K]``, -1 = padding) GPU-resident
+        and return their slots. Starts a new round for ``group``."""
+        plan = self.plan(group, topk)
+        if plan is not None:
+            self.run(plan)
+            slots = plan.slots
+        else:
+            slots = torch.empty(0, dtype=torch.int32, device=self.device)
+        return Selection(group, slots.view(topk.shape))
+
+    def plan(self, group: int, topk: torch.Tensor, out: torch.Tensor | None = None) -> TransferPlan | None:
+        """The first half of ``prepare``: decide every move ``topk`` needs, on the device, and
+        move nothing (the lookup and plan kernels). ``out`` (int32, at least ``topk.numel()``
+        elements) receives the slots in its first ``topk.numel()`` elements, in row-major order, when
+        the plan runs, so a captured step writes to a fixed buffer (a packed ``out`` directly; any
+        other view by one copy after the ``evict`` phase). ``None`` for an empty selection. Run the
+        plan with :meth:`run`. ``topk``, ``out`` (and a write's ``rows``) may be any view of any
+        memory: offsets, strides and alignment are the pool's concern (``ulakv.kernels.operands``)."""
+        self._check_group(group)
+        self._need_kernels("prepare")
+        if not isinstance(topk, torch.Tensor):
+            raise InvalidInputError(f"prepare: topk must be a tensor, got {type(topk).__name__}")
+        if topk.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
+        if topk.dim() not in (2, 3):
             raise InvalidInputError(
-                f"in_layers must continue the layers not moved yet ({remaining}), got {in_layers}"
+                f"prepare: topk must be [batch, k] or [batch, q, k], got shape {tuple(topk.shape)}"
             )
-        # Phase ``in`` runs again while some layers' rows have not come in.
-        start = Phase.IN if plan.applied >= Phase.IN and remaining else Phase(plan.applied + 1)
-        if until >= Phase.COMMIT and in_layers != remaining and start <= Phase.IN:
-            raise InvalidInputError("a plan commits only after every layer's rows are in")
-        launches = self.kernels.apply(
-            self.state,
-            plan.group,
-            plan.scratch,
-            plan.addresses,
-            plan.layers,
-            plan.rows,
-            plan.write_layer,
-            plan.slots,
-            phases=(int(start), int(until)),
-            in_layers=in_layers if start <= Phase.IN <= until else range(0),
-            fetched=fetched,
-        )
-        if start <= Phase.IN <= until:
-            plan.layers_in.update(in_layers)
-        plan.applied = max(plan.applied, int(until))  # first: the phases ran, whatever follows
-        if plan.out is not None and start <= Phase.EVICT <= until:  # the slots exist: hand them over
-            operands.fill_out(plan.out, plan.slots)
-        return launches
+        self._check_device("prepare: topk", topk)
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.numel() < topk.numel():
+                raise InvalidInputError(f"prepare: out must be an int32 tensor of >= {topk.numel()} elements")
+            if torch._debug_has_internal_overlap(out) == 1:  # 1: certainly (an expanded tensor)
+                raise InvalidInputError("prepare: out's elements share memory (expanded?); a slot needs one")
+            self._check_device("prepare: out", out)
+        self._finish_pending()
+        if topk.numel() == 0:
+            return None
+        plan, launches = self._layout.plan(group, topk, out=out)
+        self._launches += launches
+        self._raise_if_failed("prepare", plan)
+        self._pending = plan
+        return plan
 
-    def run(
-        self, group: int, selection: torch.Tensor, *, rows: torch.Tensor | None = None, layer: int = 0
-    ) -> tuple[torch.Tensor | None, int]:
-        """Plan and run one ``prepare`` or ``write``; returns the slots (prepare only) and the
-        number of kernel launches (3)."""
-        plan, launches = self.plan(group, selection, rows=rows, layer=layer)
-        launches += self.execute(plan)
-        return plan.slots, launches
+    def run(self, plan: TransferPlan, until: Phase = Phase.COMMIT, in_layers: range | None = None) -> None:
+        """Run ``plan`` (from :meth:`plan`) through phase ``until``; the ``in`` phase moves the
+        group's layers ``in_layers`` (default: all not moved yet). An engine runs the first layer
+        (``until=Phase.IN, in_layers=range(first, first + 1)``), then the rest on a side stream.
+        Only the pool's latest plan runs: any other call in between finishes it first."""
+        if plan is not self._pending:
+            raise InvalidInputError(
+                "run: this plan is not the pool's latest (it was finished, or a later call planned); "
+                "plan again"
+            )
+        stop = self._interrupt
+        if stop is not None and stop < until:
+            self._launches += self._layout.execute(plan, until=stop, in_layers=in_layers)
+            raise PlanInterrupted(
+                f"plan for group {plan.group} interrupted after its {stop.name.lower()} phase; every "
+                "entry is readable at its old home, and the pool finishes the plan before its next call",
+                stop,
+            )
+        self._launches += self._layout.execute(plan, until=until, in_layers=in_layers)
+        self._pending = None if plan.finished else plan
+        if plan.finished:
+            self._after_call()
 
-    def release(self, addrs: torch.Tensor) -> int:
-        return release_mod.release(addrs, self.state)
+    def _finish_pending(self) -> None:
+        """Finish the latest plan if it was not run to the end (never run, run in part, or
+        interrupted): its remaining phases, before anything else."""
+        if self._pending is not None:
+            plan, self._pending = self._pending, None
+            if not plan.finished:  # a run whose last step failed after its phases
+                self._launches += self._layout.execute(plan)
+            self._after_call()
 
+    def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows`` (uint8 ``[n, bytes_per_layer]``) as layer ``layer`` of ``addrs``
+        (``[n]``, -1 = padding row). New entries get a home in the layer's group. ``rows`` may be
+        any view (a slice of a wider tensor, bf16 or fp8 memory viewed as bytes, at any offset):
+        read in place when packed and aligned, else copied once."""
+        self._check_write(layer, addrs, rows)
+        self._finish_pending()
+        if addrs.numel() == 0:
+            return
+        plan, launches = self._layout.plan(self.config.group_of(layer), addrs, rows=rows, layer=layer)
+        self._launches += launches
+        self._raise_if_failed("write", plan)
+        self._pending = plan
+        self.run(plan)
+
+    # -- slow paths ------------------------------------------------------------------------------
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
-        st = self.state
-        g = self.config.group_of(layer)
-        words = gather_mod.gather(
-            addrs,
-            st.mapping[g],
-            st.gpu_slots,
-            operands.as_words(st.gpu_data[layer]),
-            operands.as_words(st.cpu_data[layer]),
+        """The bytes of ``addrs`` in ``layer``, from whichever tier holds them (synchronises)."""
+        self._check_layer(layer)
+        self._need_kernels("read")
+        self.check()
+        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
+        addrs = readable_indices(addrs.to(self.device))
+        self._check_live("read", addrs)
+        return self._layout.read(layer, addrs)
+
+    def residency(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
+        """GPU slot of each address in ``group``, -1 where it is on the CPU or has no home."""
+        self._check_group(group)
+        addrs = addrs.reshape(-1).to(self.device)
+        self._check_live("residency", addrs)
+        home = self._state.mapping[group, addrs]
+        return torch.where((home >= 0) & (home < self._state.gpu_slots), home, -1)
+
+    def stats(self) -> dict[str, int]:
+        """Counters (cumulative) and occupancy; synchronises, and raises a deferred error."""
+        self._finish_pending()
+        self.check()
+        st = self._state
+        G, C = st.gpu_slots, st.cpu_slots
+        groups = self.num_groups
+        gpu_used = groups * G - int(st.gctl[:, int(K.G_GPU_FREE)].sum())
+        cpu_used = groups * C - int(st.gctl[:, int(K.G_CPU_FREE)].sum())
+        counters = dict(zip(K.STAT_NAMES, st.stats.tolist(), strict=False))
+        return {
+            "live_addresses": self.capacity - self.free_addresses,
+            "distinct_entries": int((st.mapping >= 0).sum()),
+            # every replica's slots (a Replicated pool is one of world equal replicas)
+            "physical_slots_used": self._replicas * (gpu_used + cpu_used),
+            "replicas": self._replicas,
+            "gpu_slots_used": gpu_used,
+            "cpu_slots_used": cpu_used,
+            **counters,
+            "launches": self._launches,
+        }
+
+    def check(self) -> None:
+        """Raise (and clear) an error that a non-validating ``prepare``/``write`` recorded."""
+        pending = int(self._state.ctl[int(K.E_PENDING)])
+        if pending:
+            self._state.ctl[int(K.E_PENDING)] = 0
+            raise self._status_error("an earlier call", pending, None)
+
+    def check_invariants(self) -> None:
+        """Check DESIGN invariants 1, 4-6 on the whole state (synchronises; for tests and debug)."""
+        self._finish_pending()
+        check_invariants(self._state, self._allocator)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of every tensor that says where entries live, what they hold and the counters."""
+        st = self._state
+        out = {name: getattr(st, name).clone() for name in TieredState.RESIDENCY}
+        out.update(
+            gpu_data=st.gpu_data.clone(),
+            cpu_data=st.cpu_data.clone(),
+            stats=st.stats.clone(),
+            pending=st.ctl[int(K.E_PENDING)].clone(),
         )
-        return words.view(torch.uint8).reshape(addrs.numel(), self.config.entry.bytes_per_layer)
+        return out
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _raise_if_failed(self, what: str, plan: TransferPlan) -> None:
+        if not self._validate:
+            return
+        status = int(self._state.ctl[int(K.E_LAST_STATUS)])
+        if status:
+            self._state.ctl[int(K.E_PENDING)] = 0
+            raise self._status_error(what, status, plan)
+
+    def _status_error(self, what: str, status: int, plan: TransferPlan | None) -> UlakvError:
+        if status & int(K.ST_BAD_ADDRESS):
+            detail = ""
+            if plan is not None:
+                flat = plan.addresses
+                bad = (plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
+                offenders = flat[bad][:5].tolist()
+                detail = f": {offenders}"
+            return InvalidAddressError(
+                f"{what}: addresses out of range [0, {self.capacity}) or not live{detail}; nothing changed"
+            )
+        if status & int(K.ST_DUPLICATE):
+            return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
+        if status & int(K.ST_TOO_LARGE):
+            layout = self._storage.layout
+            return CapacityError(
+                f"{what}: the selection has more distinct addresses than the {layout.max_selection} a "
+                f"prepare may select (gpu_slots {layout.gpu_slots}, staging_slots {layout.cpu_staging}); "
+                "nothing changed"
+            )
+        return UlakvError(f"{what}: failed with status {status}; nothing changed")
+
+    def _check_live(self, what: str, addrs: torch.Tensor) -> None:
+        in_range = (addrs >= 0) & (addrs < self.capacity)
+        if not bool(in_range.all()):
+            raise InvalidAddressError(f"{what}: addresses out of range [0, {self.capacity})")
+        if bool((self._state.mapping[0, addrs] == -1).any()):
+            raise InvalidAddressError(f"{what}: addresses not live (released or never admitted)")

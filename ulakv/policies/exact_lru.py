@@ -1,6 +1,6 @@
 """Exact LRU: the plain-Python model the Triton implementation must match step for step.
 
-The device implementation (``ulakv.kernels.plan`` and ``apply``) keeps a ring of ``(slot, version)``
+The device implementation (``ulakv.kernels.victims`` and ``apply``) keeps a ring of ``(slot, version)``
 pairs in recency order with lazy deletion; this model keeps an ``OrderedDict`` of addresses. Both
 follow the same rules:
 

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from ulakv.cli import main
-from ulakv.plan import (
+from ulakv.capacity import (
     GB,
     HARDWARE,
     MODELS,
@@ -20,6 +19,7 @@ from ulakv.plan import (
     plan,
     published_scenarios,
 )
+from ulakv.cli import main
 
 # A fixed working-set shape keeps these tests independent of the trace generator.
 SHAPE = {

@@ -38,7 +38,9 @@ import torch
 
 from .config import PBLRU, CPUOffloadBaseline, EntrySpec, PoolConfig, Replicated, Striped, Tiered
 from .errors import CapacityError
-from .layouts.striped import fetch_scratch_bytes
+from .layouts.offload import OffloadPool
+from .layouts.striped import StripedPool, fetch_scratch_bytes
+from .pool import Pool
 
 GB = 10**9
 
@@ -382,9 +384,6 @@ def _scratch_bytes(layout) -> int:
 def pool_bytes(pool, index: bool = False) -> Bytes:
     """What ``pool``'s tensors take (a meta pool's are measured without being allocated); an
     index-key pool's rows count as ``gpu_index``."""
-    from .layouts.offload import OffloadPool
-    from .layouts.striped import StripedPool
-
     if isinstance(pool, StripedPool):
         b = _tiered_bytes(pool.inner)  # its GPU rows are the first rows of the rank's buffer tensor
         buffer_meta = sum(_nbytes(t) for k, t in pool._buffer.tensors().items() if k != "gpu_data")
@@ -403,8 +402,6 @@ def pool_bytes(pool, index: bool = False) -> Bytes:
 
 def _reserve(pool, elements: int) -> None:
     """Size a pool's call scratch for one step's selection, as a serving loop would."""
-    from .layouts.striped import StripedPool
-
     if elements <= 0:
         return
     if isinstance(pool, StripedPool):
@@ -530,7 +527,6 @@ class _Planner:
 
     # Each system: ``feasible(stream, n) -> (ok, bytes, pools, why)`` for a batch of n.
     def gpu_only(self, stream: int, n: int):
-        from .pool import Pool
 
         sc = self.sc
 
@@ -553,7 +549,6 @@ class _Planner:
         return ok, charged(latent, index), pools, "GPU KV memory"
 
     def cpu_offload(self, stream: int, n: int):
-        from .pool import Pool
 
         sc = self.sc
         if self.union > sc.slots_per_request:
@@ -575,7 +570,6 @@ class _Planner:
         return self._striped(stream, n) if self.sc.mode == "TP" else self._tiered(stream, n)
 
     def _tiered(self, stream: int, n: int):
-        from .pool import Pool
 
         lengths = self.lengths(stream, n)
         working = n * self.union  # distinct entries one group-step brings to the GPU
@@ -583,7 +577,6 @@ class _Planner:
         return self._fit_ulakv(n, lengths, index, staging=working, need=working, wrap=lambda t: t)
 
     def _striped(self, stream: int, n: int):
-        from .pool import Pool
 
         world = self.sc.world
         lengths = self.lengths(stream, n)
@@ -604,7 +597,6 @@ class _Planner:
         rank's) with ``staging`` CPU rows taken off the CPU budget and as many GPU slots as the
         rest of the GPU budget buys; feasible if a step's ``need`` fits and every request is
         admitted."""
-        from .pool import Pool
 
         sc = self.sc
         index_bytes = pool_bytes(index, index=True)

@@ -21,7 +21,7 @@ from ulakv import (
     PoolConfig,
     Tiered,
 )
-from ulakv.plans import Phase, PlanInterrupted, interrupt_after
+from ulakv.transfer import Phase, PlanInterrupted, interrupt_after
 
 G, C, WIDTH, LAYERS, PER_GROUP = 6, 10, 12, 4, 3  # groups of 3 and 1 layers
 POLICIES = [ExactLRU(), PBLRU(3)]

@@ -1,4 +1,5 @@
-"""Plan: decide, on the device, where every miss goes and what leaves the GPU for it.
+"""Victims: decide, on the device, where every miss goes and what leaves the GPU for it (the
+planning step of a call, after ``ulakv.kernels.lookup``).
 
 One program (the work is O(misses + queue entries skipped + chunks), never O(pool)): the last
 program of the lookup's ``classify`` launch to finish runs it, so planning costs no launch of its own
@@ -23,16 +24,16 @@ from __future__ import annotations
 
 import torch
 
-from ..policies import pblru
-from ..policies.pblru import PBLRUBits
+from . import buckets
 from . import common as K
 from ._triton import tl, triton
+from .buckets import PBLRUBits
 
 BLOCK = 1024
 
 
 @triton.jit
-def plan_program(
+def victims_program(
     home_ptr,
     counts_ptr,
     miss_pos_ptr,
@@ -138,7 +139,7 @@ def plan_program(
             for i in range(0, R):
                 bucket = tl.where(i == 0, R, (rnd + i) % R).to(tl.int64)
                 if got < want:
-                    n_got, reads = pblru.take_victims(
+                    n_got, reads = buckets.take_victims(
                         bits_ptr,
                         bucket * BW,
                         lvl_ptr,
@@ -159,10 +160,10 @@ def plan_program(
                 j = j0 + ar
                 jm = j < V
                 slot = tl.load(victims_ptr + j, mask=jm, other=0)
-                pblru.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, rnd, slot, jm)
+                buckets.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, rnd, slot, jm)
             if not WRITE:
                 tl.debug_barrier()
-                round_reads = pblru.retire_bucket(
+                round_reads = buckets.retire_bucket(
                     bits_ptr, BW, lvl_ptr, n_levels, R, rnd, frontier_ptr, frontier_size, BLOCK
                 )
 
@@ -276,7 +277,7 @@ def plan_program(
         tl.store(ctl_ptr + K.E_EPOCH, epoch + 1)
 
 
-def plan_reference(
+def victims_reference(
     st,
     g: int,
     scratch,
