@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
 import torch
 
 from ulakv import EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv.kernels import common as K
+from ulakv.layouts.tiered_state import TieredState
 
 
 def pool_config(**changes) -> PoolConfig:
@@ -89,3 +95,35 @@ def assert_same_state(
         assert torch.equal(_bits(before), _bits(after)), f"{path} changed"
     else:
         assert before == after, f"{path}: {before!r} -> {after!r}"
+
+
+def assert_holds_nothing(state: TieredState) -> None:
+    """What the release kernel alone must leave once every entry of ``state`` is released: no
+    address homed, every GPU slot unowned, both free stacks full (each slot once), no bucket bit."""
+    G, C = state.gpu_slots, state.cpu_slots
+    assert not bool((state.mapping >= 0).any()), "an address still has a home"
+    assert bool((state.owner == -1).all()), "a GPU slot is still owned"
+    for g in range(state.num_groups):
+        n_gpu, n_cpu = int(state.gctl[g, int(K.G_GPU_FREE)]), int(state.gctl[g, int(K.G_CPU_FREE)])
+        assert (n_gpu, n_cpu) == (G, C), f"group {g}: free stacks hold {n_gpu}/{G} GPU, {n_cpu}/{C} CPU"
+        ids = torch.arange(max(G, C), dtype=torch.int32, device=state.gpu_free.device)
+        assert torch.equal(state.gpu_free[g, :G].sort().values, ids[:G]), f"group {g}: GPU free stack"
+        assert torch.equal(state.cpu_free[g, :C].sort().values, ids[:C]), f"group {g}: CPU free stack"
+    assert not bool(state.bits.any()), "a PB-LRU bucket still lists a slot"
+
+
+@contextlib.contextmanager
+def looking_behind_reset() -> Iterator[list[TieredState]]:
+    """A pool (or a buffer) puts its policy state back to fresh once nothing is left in it (invariant
+    6, exactly); that reset would also hide a release kernel that leaks slots. Inside this block every
+    reset first checks that the release kernels had already freed everything; yields the states
+    reset, so a test can tell it looked."""
+    reset, seen = TieredState.reset_residency, []
+
+    def checked_reset(state: TieredState) -> None:
+        assert_holds_nothing(state)
+        seen.append(state)
+        reset(state)
+
+    with mock.patch.object(TieredState, "reset_residency", checked_reset):
+        yield seen

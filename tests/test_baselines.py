@@ -33,7 +33,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from helpers import assert_same_state
+from helpers import assert_same_state, looking_behind_reset
 from hypothesis import currently_in_test_context, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -1003,7 +1003,9 @@ def test_release_returns_everything(cfg: PoolConfig) -> None:
     for _ in range(8):
         random_step(h, rng)
     h.check()
-    h.release_all()  # 0 live, 0 distinct, 0 physical, every address free
+    with looking_behind_reset() as resets:
+        h.release_all()  # 0 live, 0 distinct, 0 physical, every address free
+    assert resets, "the pool never reached the reset this test looks behind"
     used, fresh = h.pool, Pool(cfg)
     if not h.offload:
         residency = ("mapping", "owner", "ver", "q_slot", "q_ver", "gpu_free", "cpu_free", "gctl")

@@ -18,7 +18,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_same_state, small_pool
+from helpers import assert_same_state, looking_behind_reset, small_pool
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -197,9 +197,11 @@ class PoolMachine(RuleBasedStateMachine):
     def _release_all(self) -> None:
         """Invariant 6: after every request leaves, every slot and address is back."""
         event("release: all")
-        while self.seqs:
-            self.pool.release(self.seqs.pop())
-            self._forget(self.seq_addrs.pop())
+        with looking_behind_reset() as resets:  # the release kernel freed everything itself
+            while self.seqs:
+                self.pool.release(self.seqs.pop())
+                self._forget(self.seq_addrs.pop())
+        assert resets, "the last release did not reset the pool"
         assert self.pool.free_addresses == self.cap
         stats = self.pool.stats()
         assert stats["live_addresses"] == 0
