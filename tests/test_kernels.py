@@ -160,6 +160,30 @@ def test_selection_spanning_chunks_matches_reference() -> None:
     pool.check_invariants()
 
 
+@pytest.mark.parametrize(
+    "rows", [apply_mod.GPU_ROWS, apply_mod.INTERPRETER_ROWS], ids=["gpu-tile", "interp-tile"]
+)
+@pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(3)], ids=["lru", "pblru3"])
+def test_tiles_of_either_size_match_reference(rows: int, policy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The apply kernel at the GPU's tile height (16 rows) and the interpreter's (64), over miss
+    counts that end mid-tile at both (82 written, 37 brought back past 6 hits): CI runs the GPU's
+    tiling too, the only one a GPU runs."""
+    monkeypatch.setattr(apply_mod, "ROWS", rows)
+    pool = small_pool(
+        gpu_slots=45, cpu_slots=60, bytes_per_layer=12, num_layers=2, layers_per_group=2, policy=policy
+    )
+    gen = torch.Generator().manual_seed(rows)
+    seq = pool.admit(82)
+    for layer in range(2):  # 45 on the GPU, 37 on the CPU after the first layer's write
+        run_stagewise(pool, 0, seq.addresses, random_rows(gen, 82, 12), layer)
+    resident = pool.residency(0, seq.addresses) >= 0
+    back = seq.addresses[~resident]
+    assert back.numel() == 37
+    sel = torch.cat([back, seq.addresses[resident][:6], back[:4]]).view(1, -1)  # 37 misses, 6 hits
+    run_stagewise(pool, 0, sel.reshape(-1), split=True)
+    pool.check_invariants()
+
+
 def test_lru_ring_compaction_matches_reference() -> None:
     """Re-touching the same GPU entries fills the ring with stale pairs until it compacts."""
     pool = small_pool(gpu_slots=3, cpu_slots=4, num_layers=1, layers_per_group=1)

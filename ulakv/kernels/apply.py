@@ -30,8 +30,11 @@ from ._triton import INTERPRETED, tl, triton
 from .operands import as_words
 
 # Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
-# interpreter pays per operation, not per element, so it takes 4x larger tiles.
-ROWS = 64 if INTERPRETED else 16
+# interpreter pays per operation, not per element, so it takes 4x larger tiles. The launcher reads
+# ``ROWS`` at each launch: tests set it to ``GPU_ROWS`` so CI also runs the GPU's tiling.
+GPU_ROWS = 16
+INTERPRETER_ROWS = 64
+ROWS = INTERPRETER_ROWS if INTERPRETED else GPU_ROWS
 
 ALL_PHASES = (int(K.PH_OUT), int(K.PH_COMMIT))
 
