@@ -1,6 +1,6 @@
 """Tests of the two baseline layouts: ``Replicated(world)`` and ``CPUOffloadBaseline``.
 
-Both are comparison points, so they must be as correct as ulakv's own layouts (DESIGN section 4):
+Both are comparison points, so they must be as correct as ulakv's own layouts (``docs/design.md``, section 4):
 nothing lost, every selected entry on the GPU holding its bytes, bad input refused with nothing
 changed, release returning everything. On top of that each has numbers of its own to get exactly
 right, because the comparisons quote them:

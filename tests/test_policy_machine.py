@@ -12,7 +12,8 @@ from ulakv import PBLRU, ExactLRU
 from ulakv.policies import ExactLRUModel, PBLRUModel
 from ulakv.testing import PolicyMachine, PoolPolicy
 
-# DESIGN asks for 300 examples per policy in CI; locally a quick pass.
+# 300 examples per policy in CI (invariants 4, 5 and 7 of docs/design.md on small pools; larger pools
+# in test_invariants.py); locally a quick pass.
 EXAMPLES = 300 if os.environ.get("HYPOTHESIS_PROFILE") == "ci" else 20
 RUN = settings(max_examples=EXAMPLES, stateful_step_count=5, deadline=None)
 

@@ -124,13 +124,13 @@ MODELS = {
     "glm-5": ModelPreset(
         name="GLM-5",
         indexer_every=1,
-        source="GLM-5 config (GlmMoeDsaConfig defaults); 715 GB FP8 checkpoint (DESIGN section 7)",
+        source="GLM-5 config (GlmMoeDsaConfig defaults); 715 GB FP8 checkpoint (docs/design.md, section 7)",
         **_GLM5,
     ),
     "glm-5.3": ModelPreset(
         name="GLM-5.3",
         indexer_every=4,
-        source="GLM-5 dimensions with one indexer per 4 MLA layers (DESIGN section 7; the published "
+        source="GLM-5 dimensions with one indexer per 4 MLA layers (docs/design.md, section 7; the published "
         "experiment's model)",
         **_GLM5,
     ),
@@ -291,7 +291,7 @@ class Scenario:
             (
                 "index-key layers",
                 f"{m.index_layers(self.spec)} x {m.index_key_bytes} B, GPU-resident",
-                "DESIGN section 7: the indexer scores every past position each step",
+                "docs/design.md, section 7: the indexer scores every past position each step",
             ),
             ("GPU", f"{hw.name}, {hw.hbm_bytes / GB:.0f} GB", hw.source),
             ("CPU budget a GPU", f"{hw.cpu_bytes / GB:.0f} GB", hw.source),

@@ -25,7 +25,7 @@ class InvalidInputError(UlakvError, ValueError):
 
 
 class InvariantError(UlakvError, AssertionError):
-    """A pool invariant (DESIGN section 4) does not hold; only raised by debug checks."""
+    """A pool invariant (``docs/design.md``, section 4) does not hold; only raised by debug checks."""
 
 
 class CollectiveError(UlakvError, RuntimeError):

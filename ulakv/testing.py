@@ -11,7 +11,7 @@ A *policy* here is any object with this small interface (``ExactLRUModel``, ``PB
 
 ``PolicyMachine`` drives a policy under test and a reference model with the same random requests
 (admit, write, speculative selections with duplicates and padding, release) and checks, after every
-step, DESIGN invariants:
+step, the invariants of ``docs/design.md`` (section 4):
 
 * 4: nothing selected or written in the current round is evicted in it; a selection ends resident;
 * 5: no victim is more recent than an entry kept, at the policy's granularity (``recency_class``:

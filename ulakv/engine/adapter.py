@@ -5,7 +5,7 @@ known, and gets a :class:`GroupStep`: the slots every layer of the group attends
 reused by each layer, as FlashInfer's plan is reused by its runs) and one readiness signal per layer.
 Before layer ``l`` reads ``pool.gpu_buffer(l)[slots]`` it calls ``step.wait(l)``.
 
-On CUDA with more than one layer in the group, the moves are split (DESIGN section 3):
+On CUDA with more than one layer in the group, the moves are split (``docs/design.md``, section 3):
 
 - current stream: claim, classify + plan, then apply's ``out``, ``evict`` and the first layer's ``in``
   phase (3 launches); the first layer may compute as soon as they finish;

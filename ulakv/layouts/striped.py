@@ -59,7 +59,7 @@ def fetch_scratch_bytes(config: PoolConfig, misses_per_home: int) -> int:
 
 class StripedPool(PoolFrame):
     """A rank's part of a ``Striped`` pool; every rank calls the same methods with the same
-    arguments in the same order (DESIGN section 6). Built by ``Pool(config)``."""
+    arguments in the same order (``docs/design.md``, section 5). Built by ``Pool(config)``."""
 
     def __init__(self, config: PoolConfig) -> None:
         lay: Striped = config.layout
