@@ -449,7 +449,7 @@ def test_overlap_is_judged_by_byte_ranges() -> None:
 
 
 @skip_under_debug
-def test_views_cost_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_views_cost_no_host_sync() -> None:
     """Bringing views to the kernels looks at shapes, strides and pointers, never at device data:
     a non-validating pool takes misaligned rows, strided addresses and a strided ``out`` without
     one read-back."""
@@ -460,7 +460,7 @@ def test_views_cost_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     addrs = torch.stack([seq.addresses, seq.addresses]).t()[:, 0]  # stride 2
     topk = torch.stack([seq.addresses.flip(0), seq.addresses]).t()[:, :1].t()  # [1, 3], stride 2
     out = torch.full((2, 6), -7, dtype=torch.int32, device=DEVICE)[:, ::2]
-    with no_host_sync(monkeypatch):
+    with no_host_sync():
         pool.write(0, addrs, rows)
         pool.write(1, addrs, rows)
         pool.run(pool.plan(0, topk, out=out))

@@ -86,7 +86,7 @@ def test_group_step_launches_do_not_grow_with_batch(policy, batch, prefetch, bou
 
 @skip_under_debug
 @pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru4"])
-def test_steps_through_the_adapter_never_sync(policy, monkeypatch) -> None:
+def test_steps_through_the_adapter_never_sync(policy) -> None:
     """Decode steps through the adapter (prepare per group, each layer waits and reads its rows,
     new tokens written) under a patch that fails any host sync; the bytes read are checked after."""
     pool, kv = engine(policy, gpu=44, cpu=60, max_batch=4, top_k=7, queries=3)  # 68 tokens live
@@ -103,7 +103,7 @@ def test_steps_through_the_adapter_never_sync(policy, monkeypatch) -> None:
         for layer, addrs, rows in writes:
             expected.update({(layer, a): r for a, r in zip(addrs.tolist(), rows, strict=True)})
     read = []
-    with no_host_sync(monkeypatch):
+    with no_host_sync():
         for writes, sels in plan:
             for layer, addrs, rows in writes:
                 kv.write(layer, addrs, rows)
