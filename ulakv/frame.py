@@ -50,7 +50,8 @@ class PoolFrame:
         raise NotImplementedError
 
     def _after_call(self) -> None:
-        """After every call that changes the pool: under ``ULAKV_DEBUG=1``, every invariant."""
+        """After every call that changes the pool: under ``ULAKV_DEBUG=1``, the whole-state check
+        (``check_invariants``); a ``TieredPool`` also checks each finished plan's decisions."""
         if self._debug:
             self.check_invariants()
 

@@ -17,7 +17,7 @@ from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, r
 from ..config import PoolConfig, Replicated
 from ..errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
 from ..frame import PoolFrame, Selection, debug_enabled
-from ..invariants import check_invariants
+from ..invariants import PlanSnapshot, check_invariants, check_plan, snapshot_plan
 from ..kernels import common as K
 from ..kernels.operands import readable_indices
 from ..transfer import Phase, PlanInterrupted, TransferPlan
@@ -55,6 +55,9 @@ class TieredPool(PoolFrame):
         # slots from the free stacks and the policy, so the next call finishes it first.
         self._pending: TransferPlan | None = None
         self._interrupt: Phase | None = None  # set by ulakv.transfer.interrupt_after (tests)
+        # ULAKV_DEBUG only: the pending plan and the host snapshot taken right before its plan
+        # kernels ran; its decisions are checked against it once it has finished (_after_call).
+        self._audit: tuple[TransferPlan, PlanSnapshot] | None = None
 
     # -- shape of the pool (capacity, free_addresses, num_groups, group_layers: PoolFrame) -------
     def gpu_buffer(self, layer: int) -> torch.Tensor:
@@ -163,10 +166,19 @@ class TieredPool(PoolFrame):
         self._finish_pending()
         if topk.numel() == 0:
             return None
-        plan, launches = self._layout.plan(group, topk, out=out)
+        return self._plan("prepare", group, topk, out=out)
+
+    def _plan(self, what: str, group: int, selection: torch.Tensor, **kwargs) -> TransferPlan:
+        """Plan a prepare or (with ``rows``) a write and make it the pending plan. Under
+        ``ULAKV_DEBUG=1`` the group's state is snapshotted first; with debug off this costs nothing."""
+        snapshot = None
+        if self._debug:
+            snapshot = snapshot_plan(self._state, group, selection, write=kwargs.get("rows") is not None)
+        plan, launches = self._layout.plan(group, selection, **kwargs)
         self._launches += launches
-        self._raise_if_failed("prepare", plan)
+        self._raise_if_failed(what, plan)
         self._pending = plan
+        self._audit = None if snapshot is None else (plan, snapshot)
         return plan
 
     def run(self, plan: TransferPlan, until: Phase = Phase.COMMIT, in_layers: range | None = None) -> None:
@@ -210,10 +222,7 @@ class TieredPool(PoolFrame):
         self._finish_pending()
         if addrs.numel() == 0:
             return
-        plan, launches = self._layout.plan(self.config.group_of(layer), addrs, rows=rows, layer=layer)
-        self._launches += launches
-        self._raise_if_failed("write", plan)
-        self._pending = plan
+        plan = self._plan("write", self.config.group_of(layer), addrs, rows=rows, layer=layer)
         self.run(plan)
 
     # -- slow paths ------------------------------------------------------------------------------
@@ -266,9 +275,23 @@ class TieredPool(PoolFrame):
             raise self._status_error("an earlier call", pending, None)
 
     def check_invariants(self) -> None:
-        """Check DESIGN invariants 1, 4-6 on the whole state (synchronises; for tests and debug)."""
+        """Check the whole state at rest, after finishing a pending plan. This synchronises and is
+        for tests and debugging. ``ulakv.invariants.check_invariants`` does the checking: invariant 1,
+        the first half of invariant 6, and a well-formed LRU ring or bucket set. Each plan's decisions
+        (invariants 3, 4, 5 and 7) are checked only under ``ULAKV_DEBUG=1``, as the plan finishes
+        (``_after_call``). Those checks need a snapshot taken before the plan ran, so this method
+        cannot run them.
+        """
         self._finish_pending()
         check_invariants(self._state, self._allocator)
+
+    def _after_call(self) -> None:
+        """Under ``ULAKV_DEBUG=1``, check the whole state first (``PoolFrame._after_call``). Then, if
+        a plan has just finished, check its decisions against the snapshot taken before it ran."""
+        audit, self._audit = self._audit, None
+        super()._after_call()
+        if audit is not None and audit[0].finished:
+            check_plan(self._state, *audit)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of every tensor that says where entries live, what they hold and the counters."""
