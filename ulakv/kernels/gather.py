@@ -51,6 +51,7 @@ def gather(addrs, mapping, gpu_slots: int, gpu_layer, cpu_layer) -> torch.Tensor
 
 
 def gather_reference(addrs, mapping, gpu_slots: int, gpu_layer, cpu_layer) -> torch.Tensor:
+    """Plain-Python twin of :func:`gather`: each address's row from its GPU slot or CPU row."""
     out = torch.zeros((addrs.numel(), gpu_layer.shape[-1]), dtype=gpu_layer.dtype)
     for i, a in enumerate(addrs.tolist()):
         h = int(mapping[a])

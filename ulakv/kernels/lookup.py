@@ -250,13 +250,14 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
 def lookup_and_plan_reference(
     st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int
 ) -> None:
-    """Plain-Python twin of :func:`lookup_and_plan`."""
-    lookup_reference(st, g, sel, scratch, write)
+    """Plain-Python twin of :func:`lookup_and_plan`: the two launches, then the victims program."""
+    claim_and_classify_reference(st, g, sel, scratch, write)
     victims_reference(st, g, scratch, sel.numel(), write, group_row_bytes, layer_row_bytes)
 
 
-def lookup_reference(st, g: int, sel, scratch, write: bool) -> None:
-    """Plain-Python twin of :func:`lookup`: same inputs, same outputs, element by element."""
+def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
+    """Plain-Python twin of the ``claim_kernel`` and ``classify_kernel`` launches (victims aside):
+    same inputs, same state and scratch out, element by element."""
     mapping, claim, mark, ctl = st.mapping[g], st.claim, st.mark, st.ctl
     T, N, G, C = sel.numel(), mapping.numel(), st.gpu_slots, K.CHUNK
     epoch = int(ctl[int(K.E_EPOCH)])

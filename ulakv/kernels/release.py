@@ -100,6 +100,7 @@ def release(addrs, state) -> int:
 
 
 def release_reference(addrs, state) -> None:
+    """Plain-Python twin of :func:`release`: address by address, group by group, the same stacks."""
     G = state.gpu_slots
     for g in range(state.num_groups):
         bitmaps = PBLRUBits(state, g) if state.policy == K.PBLRU else None

@@ -286,7 +286,8 @@ def victims_reference(
     group_row_bytes: int,
     layer_row_bytes: int,
 ) -> None:
-    """Plain-Python twin of :func:`plan`: walks misses and queue entries one at a time."""
+    """Plain-Python twin of :func:`victims_program` (run by the last ``classify`` program): walks
+    misses and queue entries one at a time."""
     Qcap, C = st.q_slot.shape[1], K.CHUNK
     P = -(-T // C)
     ctl, gctl, stats = st.ctl, st.gctl[g], st.stats
