@@ -14,12 +14,10 @@ PNG = b"\x89PNG\r\n\x1a\n"
 TINY = ["--requests", "3", "--prompt", "60", "90", "--steps", "4", "--topk", "16", "--groups", "1"]
 
 
-def test_plan_explains_its_assumptions_and_bytes(capsys, tmp_path) -> None:
+def test_capacity_explains_its_assumptions_and_bytes(capsys, tmp_path) -> None:
     figure = tmp_path / "admitted.png"
-    assert (
-        main(["plan", "--gpu", "h200", "--mode", "DP", "--spec", "on", "--explain", "--plot", str(figure)])
-        == 0
-    )
+    args = ["capacity", "--gpu", "h200", "--mode", "DP", "--spec", "on", "--explain", "--plot", str(figure)]
+    assert main(args) == 0
     out = capsys.readouterr().out
     for needle in (
         "Assumptions",

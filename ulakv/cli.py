@@ -1,5 +1,5 @@
-"""The ``ulakv`` command: ``plan`` (admitted requests per system), ``replay`` (a trace through every
-policy and layout), ``demo`` (the main job: three systems side by side)."""
+"""The ``ulakv`` command: ``capacity`` (admitted requests per system; alias ``plan``), ``replay``
+(a trace through every policy and layout), ``demo`` (the main job: three systems side by side)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .capacity import (
     plan,
 )
 
-# -- ulakv plan ---------------------------------------------------------------------------------
+# -- ulakv capacity -----------------------------------------------------------------------------
 
 
 def _choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
@@ -43,7 +43,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise argparse.ArgumentTypeError("--quota: at least 1")
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_capacity(args: argparse.Namespace) -> int:
     _check_numbers(args)
     gpus = _choices(args.gpu.lower(), list(HARDWARE), "--gpu")
     modes = [m.upper() for m in _choices(args.mode.upper(), ["TP", "DP"], "--mode")]
@@ -327,7 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ulakv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="requests each system admits, from real pools on the meta device")
+    p = sub.add_parser(
+        "capacity",
+        aliases=["plan"],  # its name before the planner's module became ulakv/capacity.py
+        help="requests each system admits, from real pools on the meta device",
+    )
     p.add_argument("--model", choices=sorted(MODELS), default="glm-5.3")
     p.add_argument("--gpu", default="h200,b300", help="h200,b300")
     p.add_argument("--mode", default="TP,DP", help="TP,DP")
@@ -342,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", metavar="FILE", help="measure one step's working set on this saved trace (Trace.save)"
     )
     p.add_argument("--sglang", metavar="FILE", help="... or on torch.save'd SGLang indexer_topk tensors")
-    p.set_defaults(run=run_plan)
+    p.set_defaults(run=run_capacity)
 
     r = sub.add_parser("replay", help="a selection trace through every policy and layout")
     r.add_argument("--trace", metavar="FILE", help="a trace saved by ulakv.traces.Trace.save")

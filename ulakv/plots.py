@@ -28,7 +28,7 @@ def _pyplot():
 
 
 def admitted_bars(rows: Sequence[dict], path: str | Path, title: str) -> None:
-    """Grouped bars: one group per configuration, one bar per system (``ulakv plan`` rows)."""
+    """Grouped bars: one group per configuration, one bar per system (``ulakv capacity`` rows)."""
     plt = _pyplot()
     configs = list(dict.fromkeys((r["gpu"], r["mode"], r["spec"]) for r in rows))
     systems = list(dict.fromkeys(r["system"] for r in rows))
