@@ -280,7 +280,7 @@ def no_host_sync() -> Iterator[None]:
                 setattr(owner, name, original)
 
 
-# ULAKV_DEBUG=1 validates every call and checks every invariant after it: host syncs by design.
+# ULAKV_DEBUG=1 validates every call and checks the pool after it: host syncs by design.
 skip_under_debug = pytest.mark.skipif(
     debug_enabled(),
     reason="ULAKV_DEBUG=1 synchronises on purpose (validation and invariant checks)",

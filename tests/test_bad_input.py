@@ -197,6 +197,8 @@ BAD_CALLS: list[Bad] = [
     Bad("read-layer-too-big", lambda s: s.pool.read(3, s.live[:1]), INDEX_ERRORS),
     Bad("gpu-buffer-layer-too-big", lambda s: s.pool.gpu_buffer(3), INDEX_ERRORS),
     Bad("residency-group-too-big", lambda s: s.pool.residency(2, s.live[:1]), INDEX_ERRORS),
+    Bad("residency-float", lambda s: s.pool.residency(0, s.live[:2].float()), InvalidInputError),
+    Bad("residency-list", lambda s: s.pool.residency(0, [0, 1]), InvalidInputError),
 ]
 
 

@@ -6,7 +6,7 @@ With validation off (the default on CUDA), ``write`` and ``prepare`` (swap-ins, 
 ``tests/nosync.py``'s ``no_host_sync()``. The slots and bytes each ``prepare`` produced inside the
 block are checked afterwards against a model replayed outside it. First, a check that the detector
 these tests rely on is live: the read-backs it names raise inside the block and not after it. The
-pool tests are skipped under ``ULAKV_DEBUG=1``, which checks every invariant after every call.
+pool tests are skipped under ``ULAKV_DEBUG=1``, which validates and checks the pool after every call.
 """
 
 from __future__ import annotations

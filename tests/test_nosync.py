@@ -277,16 +277,34 @@ def _filled(pool: Pool, n: int) -> tuple[torch.Tensor, list[torch.Tensor], torch
 
 @skip_under_debug
 def test_tiered_prepare_and_write_do_not_sync() -> None:
+    """Every path of the hot path under the detector: a write of new entries (no GPU slot left: they
+    get CPU homes), a rewrite in place, and a prepare whose misses come in from the CPU and evict."""
     pool = Pool(_config(Tiered(gpu_slots=4, cpu_slots=8, policy=ExactLRU())))
-    addrs, rows, topk = _filled(pool, 6)
+    addrs, rows, _ = _filled(pool, 6)  # addrs[:4] on the GPU, addrs[4:] on the CPU
+    later = pool.extend(pool.admit(num_tokens=0), 2)
+    fresh = [torch.full((2, WIDTH), 50 + layer, dtype=torch.uint8) for layer in range(LAYERS)]
     new = torch.full((2, WIDTH), 7, dtype=torch.uint8)
+    topk = torch.stack([addrs[[4, 0, 5, 0]], torch.stack([later[0], addrs[0], addrs[4], addrs[0]])])
+    topk[:, 3] = -1  # 4 distinct (the most a prepare may select): 1 hit, 3 misses from the CPU
+    before = pool.stats()
     with no_host_sync():
+        for layer in range(LAYERS):
+            pool.write(layer, later, fresh[layer])
         pool.write(1, addrs[1:3], new)
         sel = pool.prepare(0, topk)
+    after = pool.stats()
+    assert after["misses"] - before["misses"] == 3 and after["hits"] - before["hits"] == 1
+    assert after["victims"] - before["victims"] == 3 and after["bytes_in"] > before["bytes_in"]
     pool.check_invariants()
-    slots = sel.slots[1].long()  # addrs[:4]
-    assert torch.equal(pool.gpu_buffer(0)[slots], rows[0][:4])
-    assert torch.equal(pool.gpu_buffer(1)[slots], torch.cat([rows[1][:1], new, rows[1][3:4]]))
+    want = {int(a): [rows[layer][i] for layer in range(LAYERS)] for i, a in enumerate(addrs)}
+    want.update({int(a): [fresh[layer][i] for layer in range(LAYERS)] for i, a in enumerate(later)})
+    for i in (1, 2):
+        want[int(addrs[i])][1] = new[i - 1]
+    for a, slot in zip(topk.flatten().tolist(), sel.slots.flatten().tolist(), strict=True):
+        assert (slot == -1) == (a == -1)
+        if a >= 0:
+            for layer in range(LAYERS):
+                assert torch.equal(pool.gpu_buffer(layer)[slot], want[a][layer]), (a, layer)
 
 
 def test_a_mask_index_planted_in_prepare_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,12 +89,17 @@ class PoolFrame:
         if not same_device(t, self.device):
             raise InvalidInputError(f"{what} is on {t.device}, the pool on {self.device}")
 
+    def _check_addresses(self, what: str, addrs: object) -> None:
+        """``addrs`` of ``read``, ``residency`` and ``write``: an int32 or int64 tensor."""
+        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
+            got = addrs.dtype if isinstance(addrs, torch.Tensor) else type(addrs).__name__
+            raise InvalidInputError(f"{what}: addrs must be an int32 or int64 tensor, got {got}")
+
     def _check_write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """A write's layer, addresses (int32/int64 ``[n]``) and rows (uint8 ``[n, bytes]``)."""
         self._check_layer(layer)
         self._need_kernels("write")
-        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError("write: addrs must be an int32 or int64 tensor")
+        self._check_addresses("write", addrs)
         if addrs.dim() != 1:
             raise InvalidInputError(f"write: addrs must be 1-D, got shape {tuple(addrs.shape)}")
         width = self.config.entry.bytes_per_layer

@@ -6,7 +6,8 @@ decision:
 
 * :func:`check_invariants` checks a whole state at rest. It covers invariant 1 and the
   bookkeeping that invariant 6's release relies on, and it checks that the policy's recency
-  structure is well formed. Under ``ULAKV_DEBUG=1`` every pool kind runs it after each call.
+  structure is well formed. Under ``ULAKV_DEBUG=1`` every pool kind runs it after each call that
+  changes it.
 * :func:`snapshot_plan` and :func:`check_plan` check one plan's decisions (invariants 3, 4, 5 and
   7). They compare those decisions with a host snapshot of the group, taken right before the plan
   kernels ran. Under ``ULAKV_DEBUG=1`` a ``TieredPool`` (tiered or replicated layout, and a striped

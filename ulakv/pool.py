@@ -32,7 +32,13 @@ class Pool(metaclass=abc.ABCMeta):  # noqa: B024 - an interface for isinstance, 
     """A KV-cache pool built from a :class:`PoolConfig`: ``Pool(config)`` returns the kind its
     layout names (``POOL_KINDS``), and every kind is a ``Pool`` for ``isinstance``."""
 
-    def __new__(cls, config: PoolConfig) -> Pool:
+    def __init_subclass__(cls, **kwargs) -> None:
+        raise TypeError(
+            "Pool is the factory of the pool kinds, not a base class: extend a kind in ulakv.layouts "
+            "and add it to POOL_KINDS"
+        )
+
+    def __new__(cls, config: PoolConfig) -> TieredPool | StripedPool | OffloadPool:
         if not isinstance(config, PoolConfig):
             raise InvalidInputError(f"Pool needs a PoolConfig, got {type(config).__name__}")
         kind = POOL_KINDS.get(type(config.layout))

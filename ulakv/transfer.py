@@ -10,7 +10,7 @@ and then the signal (a CUDA event per layer; on CPU every call completes before 
 
 After every phase each entry is readable at the home its mapping names, so a plan stopped between
 phases loses nothing; the pool finishes it (runs the phases left) before its next call.
-``interrupt_after`` stops a pool's next plan on purpose, for tests of exactly that.
+``interrupt_after`` stops a pool's plans on purpose, for tests of exactly that.
 
 A plan holds the scratch until it is finished: one plan per pool is in flight at a time.
 """
@@ -107,8 +107,9 @@ class TransferPlan:
 
 @contextlib.contextmanager
 def interrupt_after(pool, phase: Phase | str) -> Iterator[None]:
-    """Make ``pool``'s next plan stop after ``phase`` ("out", "evict", "in" or a ``Phase``) and
-    raise ``PlanInterrupted``: a fault injected between a plan's data and its mapping update."""
+    """Make every plan ``pool`` runs inside the block stop after ``phase`` ("out", "evict", "in" or a
+    ``Phase``) and raise ``PlanInterrupted``: a fault injected between a plan's data and its mapping
+    update."""
     if isinstance(phase, str):
         names = {name.lower(): p for name, p in Phase.__members__.items()}
         if phase not in names:

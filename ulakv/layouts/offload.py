@@ -117,11 +117,14 @@ class OffloadPool(PoolFrame):
         self._seqs[r] = seq
         self._buffer_of[seq.seq_id] = r
         self._home(seq, taken)
+        self._after_call()
         return seq
 
     def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
         self._check_seq(seq)
-        return self._home(seq, self._allocator.take(num_tokens))
+        new = self._home(seq, self._allocator.take(num_tokens))
+        self._after_call()
+        return new
 
     def _home(self, seq: Sequence, taken: list[range]) -> torch.Tensor:
         new = addresses_on(taken, self.device)
@@ -152,7 +155,7 @@ class OffloadPool(PoolFrame):
         self._after_call()
 
     # -- the hot path ----------------------------------------------------------------------------
-    def prepare(self, group: int, topk: torch.Tensor):
+    def prepare(self, group: int, topk: torch.Tensor) -> Selection:
         """Bring every selected address into its request's GPU buffer; slots index
         ``gpu_buffer(layer)``. Each request's buffer decides alone (its own LRU and quota)."""
         self._check_group(group)
@@ -269,6 +272,7 @@ class OffloadPool(PoolFrame):
         """Row of ``gpu_buffer(layer)`` holding each address's copy in ``group`` (its request's
         buffer), -1 where only the CPU history holds it."""
         self._check_group(group)
+        self._check_addresses("residency", addrs)
         flat = addrs.reshape(-1).to(torch.int64).to(self.device)
         self._check_live("residency", flat)
         Q = self.config.layout.slots_per_request
@@ -284,8 +288,7 @@ class OffloadPool(PoolFrame):
         """The bytes of ``addrs`` in ``layer``: the CPU history always holds the latest."""
         self._check_layer(layer)
         self._need_kernels("read")
-        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
+        self._check_addresses("read", addrs)
         flat = addrs.reshape(-1).to(torch.int64).to(self.device)
         self._check_live("read", flat)
         return self._history[layer][flat.to(self._history.device)].to(self.device)

@@ -172,7 +172,7 @@ class StripedPool(PoolFrame):
         self._rows[layer].index_copy_(0, rows_at, rows)
         self._after_call()
 
-    def prepare(self, group: int, topk: torch.Tensor):
+    def prepare(self, group: int, topk: torch.Tensor) -> Selection:
         """Collective: every rank passes the same ``topk`` and gets slots into its own
         ``gpu_buffer(layer)``; misses are fetched from their homes with one all-gather."""
         self._check_usable()
@@ -264,8 +264,7 @@ class StripedPool(PoolFrame):
         """Collective: the bytes of ``addrs`` from their homes, on every rank."""
         self._check_usable()
         self.inner._check_layer(layer)
-        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
+        self._check_addresses("read", addrs)
         flat = addrs.reshape(-1).to(torch.int64).to(self.device)
         if bool((flat < 0).any()):
             raise InvalidAddressError(f"read: addresses out of range [0, {self.capacity})")

@@ -82,14 +82,16 @@ class TieredPool(PoolFrame):
         taken = self._allocator.take(num_tokens)
         seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
         self._home(seq, taken)
+        self._after_call()
         return seq
 
     def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
         """Append ``num_tokens`` tokens to ``seq``; returns their addresses."""
         self._check_seq(seq)
         self._finish_pending()
-        taken = self._allocator.take(num_tokens)
-        return self._home(seq, taken)
+        new = self._home(seq, self._allocator.take(num_tokens))
+        self._after_call()
+        return new
 
     def _home(self, seq: Sequence, taken: list[range]) -> torch.Tensor:
         new = addresses_on(taken, self.device)
@@ -102,7 +104,8 @@ class TieredPool(PoolFrame):
         """Return every address and slot of ``seq`` in every group."""
         self._check_seq(seq)
         self._release_addresses(seq._runs, seq.addresses)
-        seq.released = True
+        seq.released = True  # before the debug check: a failed check must not invite a second release
+        self._after_call()
 
     def _release_addresses(self, addresses: list[range], on_device: torch.Tensor) -> None:
         self._finish_pending()
@@ -112,7 +115,6 @@ class TieredPool(PoolFrame):
         if self._allocator.free == self._allocator.capacity:
             # No request left: put the policy back in its fresh state (invariant 6, exactly).
             self._state.reset_residency()
-        self._after_call()
 
     def _take_exact(self, addresses: list[range]) -> None:
         """Admit exactly ``addresses`` (runs), which must be the lowest free ones (a striped pool's
@@ -231,8 +233,7 @@ class TieredPool(PoolFrame):
         self._check_layer(layer)
         self._need_kernels("read")
         self.check()
-        if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError("read: addrs must be an int32 or int64 tensor")
+        self._check_addresses("read", addrs)
         addrs = readable_indices(addrs.to(self.device))
         self._check_live("read", addrs)
         return self._layout.read(layer, addrs)
@@ -240,6 +241,7 @@ class TieredPool(PoolFrame):
     def residency(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
         """GPU slot of each address in ``group``, -1 where it is on the CPU or has no home."""
         self._check_group(group)
+        self._check_addresses("residency", addrs)
         addrs = addrs.reshape(-1).to(self.device)
         self._check_live("residency", addrs)
         home = self._state.mapping[group, addrs]

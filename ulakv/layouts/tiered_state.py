@@ -2,7 +2,8 @@
 
 ``TieredState`` holds every device tensor of a tiered pool; ``TieredLayout`` runs the kernels of one
 ``prepare`` or ``write`` in order (claim, classify + plan, apply: three launches) and of ``release`` and
-``read``. Nothing here reads a device value on the host.
+``read``. Nothing here reads a device value on the host but ``miss_positions`` (a buffer sizes its
+fetch with it; striped and offload pools synchronise by design).
 """
 
 from __future__ import annotations
