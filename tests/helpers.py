@@ -24,6 +24,7 @@ from ulakv import (
     Sequence,
     Tiered,
 )
+from ulakv.invariants import check_invariants
 from ulakv.kernels import common as K
 from ulakv.layouts.tiered_state import TieredState
 
@@ -260,16 +261,11 @@ _LOADED: dict[str, Loaded] = {}
 
 
 def loaded_pool(kind: str) -> Loaded:
-    """A deep copy of one loaded pool of ``kind`` (building it runs ~16 interpreted kernels; the
-    bad-input table would build it over a hundred times). ``Pool.__new__`` needs a config, so the
-    pool is copied by hand; its sequences, copied in the same memo, point at the copy's id."""
+    """A deep copy of one loaded pool of ``kind``, its sequences and model with it (building it runs
+    ~16 interpreted kernels; the bad-input table would build it over a hundred times)."""
     if kind not in _LOADED:
         _LOADED[kind] = _build_loaded(kind)
-    base = _LOADED[kind]
-    pool = object.__new__(type(base.pool))
-    memo = {id(base.pool): pool}
-    pool.__dict__.update(copy.deepcopy(base.pool.__dict__, memo))
-    return copy.deepcopy(base, memo)
+    return copy.deepcopy(_LOADED[kind])
 
 
 def assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], where: str = "") -> None:
@@ -336,6 +332,16 @@ def assert_holds_nothing(state: TieredState) -> None:
     assert not bool(state.bits.any()), "a PB-LRU bucket still lists a slot"
 
 
+class _NothingLive:
+    """An allocator's view for ``check_invariants``: every address is free."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    def free_runs(self) -> list[range]:
+        return [range(self.capacity)]
+
+
 @contextlib.contextmanager
 def looking_behind_reset() -> Iterator[list[TieredState]]:
     """A pool (or a buffer) puts its policy state back to fresh once nothing is left in it (invariant
@@ -346,6 +352,7 @@ def looking_behind_reset() -> Iterator[list[TieredState]]:
 
     def checked_reset(state: TieredState) -> None:
         assert_holds_nothing(state)
+        check_invariants(state, _NothingLive(state.num_addresses))  # ring, versions, buckets too
         seen.append(state)
         reset(state)
 

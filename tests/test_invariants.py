@@ -386,3 +386,108 @@ def test_planted_recency_defect_only_the_plan_check_catches(debug, policy, kerne
     with pytest.raises(InvariantError, match=f"invariant {message}"):
         pool.prepare(0, torch.tensor(selection).view(2, -1))
     check_invariants(pool._state, pool._allocator)
+
+
+# --------------------------------------------------------------------------------------------------
+# the structural check at rest: each kind of damage it claims to see, planted by hand
+
+
+def _at_rest(policy, gpu_slots: int = 6):
+    """A pool with both tiers used: its GPU slots full, the rest on the CPU, one selection applied."""
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=WIDTH),
+            num_layers=2,
+            layers_per_group=1,
+            layout=Tiered(gpu_slots=gpu_slots, cpu_slots=9, policy=policy),
+        )
+    )
+    seq = pool.admit(num_tokens=gpu_slots + 4)
+    write_all(pool, seq.addresses, torch.Generator().manual_seed(1))
+    pool.prepare(0, seq.addresses[[7, 8, 0]].view(1, 3))
+    pool.release(pool.admit(num_tokens=2))  # two dead addresses past the live ones
+    pool.check_invariants()
+    return pool, seq.addresses.tolist()
+
+
+def _gpu_homed(st, addrs: list[int]) -> list[int]:
+    return [a for a in addrs if 0 <= int(st.mapping[0, a]) < st.gpu_slots]
+
+
+def _cpu_homed(st, addrs: list[int]) -> list[int]:
+    return [a for a in addrs if int(st.mapping[0, a]) >= st.gpu_slots]
+
+
+def _share_a_home(st, addrs):
+    a, b = _cpu_homed(st, addrs)[:2]
+    st.mapping[0, b] = st.mapping[0, a]
+
+
+def _dead_keeps_a_home(st, addrs):
+    st.mapping[0, max(addrs) + 1] = int(st.mapping[0, _cpu_homed(st, addrs)[0]])
+
+
+def _live_marked_free(st, addrs):
+    st.mapping[0, addrs[3]] = -1
+
+
+def _home_out_of_range(st, addrs):
+    st.mapping[0, addrs[3]] = st.gpu_slots + st.cpu_slots + 1
+
+
+def _owner_disagrees(st, addrs):
+    a, b = _gpu_homed(st, addrs)[:2]
+    st.owner[0, int(st.mapping[0, a])] = b
+
+
+def _gpu_free_stack_lists_a_used_slot(st, addrs):
+    st.gpu_free[0, 0] = st.mapping[0, _gpu_homed(st, addrs)[0]]
+    st.gctl[0, int(K.G_GPU_FREE)] = 1
+
+
+def _cpu_row_leaks(st, addrs):
+    st.gctl[0, int(K.G_CPU_FREE)] -= 1  # a free CPU row falls off the stack
+
+
+def _lru_entry_forgotten(st, addrs):
+    st.ver[0, int(st.mapping[0, _gpu_homed(st, addrs)[0]])] += 1  # its ring pairs turn stale
+
+
+def _slot_in_two_buckets(st, addrs):
+    bits = PBLRUBits(st, 0)
+    slot = int(st.mapping[0, _gpu_homed(st, addrs)[0]])
+    bits.sets[-1].add(slot)  # also cold
+    bits.store()
+
+
+def _phantom_slot(st, addrs):
+    st.bits[0, 0] ^= 1 << 30  # bucket 0 lists slot 30 of a 6-slot pool
+
+
+def _summary_bit_wrong(st, addrs):
+    st.bits[0, int(st.levels[1])] ^= 1 << 31  # a summary bit over leaf word 31, of 2
+
+
+STRUCTURAL = [
+    ("share-a-home", None, _share_a_home, "share one home"),
+    ("dead-keeps-a-home", None, _dead_keeps_a_home, "not live still has a mapping"),
+    ("live-marked-free", None, _live_marked_free, "live address is marked free"),
+    ("home-out-of-range", None, _home_out_of_range, "out of range"),
+    ("owner-disagrees", None, _owner_disagrees, "owner"),
+    ("gpu-free-stack-used-slot", None, _gpu_free_stack_lists_a_used_slot, "GPU free stack"),
+    ("cpu-row-leaks", None, _cpu_row_leaks, "CPU free stack"),
+    ("lru-entry-forgotten", ExactLRU(), _lru_entry_forgotten, "LRU order"),
+    ("slot-in-two-buckets", PBLRU(3), _slot_in_two_buckets, "buckets"),
+    ("bucket-lists-a-phantom-slot", PBLRU(3), _phantom_slot, "past the"),
+    ("summary-bit-wrong-40-slots", PBLRU(3), _summary_bit_wrong, "summary bit"),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "damage", "message"), [c[1:] for c in STRUCTURAL], ids=[c[0] for c in STRUCTURAL]
+)
+def test_the_structural_check_sees_each_kind_of_damage(policy, damage, message) -> None:
+    pool, addrs = _at_rest(policy or ExactLRU(), 40 if damage is _summary_bit_wrong else 6)
+    damage(pool._state, addrs)
+    with pytest.raises(InvariantError, match=message):
+        check_invariants(pool._state, pool._allocator)

@@ -136,6 +136,8 @@ def _check_buckets(state, g: int, owner: torch.Tensor, gctl: list[int]) -> None:
         for s in slots:
             if s in where:
                 _fail(g, f"slot {s} is in buckets {where[s]} and {b}")
+            if s >= state.gpu_slots:
+                _fail(g, f"bucket {b} lists slot {s}, past the {state.gpu_slots} GPU slots")
             where[s] = b
     for s in range(state.gpu_slots):
         occupied = int(owner[s]) >= 0
