@@ -70,7 +70,37 @@ def _miss_tile(
     return p, a, src, mm, has_slot, v, popping, cpu_row
 
 
-@triton.jit
+# Not specialised: T, G, Qcap, L (short last group), write_layer, phase and in-layer bounds, layer0 (all
+# vary per call or feed no vectorisable access); the alignment of the caller's selection, rows and slots
+# (any view) and of group g's rows of [groups, ...] state. Specialised: W and the layer strides (fixed per
+# pool; W % 16 == 0 gives 16-byte row loads), gpu_ptr/cpu_ptr (the whole pool's rows, offset by layer0
+# in the kernel so alignment never changes), scratch and fetched rows (whole allocations), constexprs.
+# (Before: up to 30 apply variants in tests/test_compile_variants.py's serving loop; now 2.)
+@triton.jit(
+    do_not_specialize=[
+        "T",
+        "G",
+        "Qcap",
+        "L",
+        "write_layer",
+        "first_phase",
+        "last_phase",
+        "in_lo",
+        "in_hi",
+        "layer0",
+    ],
+    do_not_specialize_on_alignment=[
+        "sel_ptr",
+        "map_ptr",
+        "owner_ptr",
+        "ver_ptr",
+        "q_slot_ptr",
+        "q_ver_ptr",
+        "cpu_free_ptr",
+        "rows_ptr",
+        "slots_ptr",
+    ],
+)
 def apply_kernel(
     sel_ptr,
     T,
@@ -106,6 +136,7 @@ def apply_kernel(
     in_lo,
     in_hi,
     fetched_ptr,
+    layer0,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -120,6 +151,10 @@ def apply_kernel(
     # Layer offsets in int64: 4 layers x 5 M CPU rows x 164 words already passes 2**31.
     gpu_layer_stride = gpu_layer_stride.to(tl.int64)
     cpu_layer_stride = cpu_layer_stride.to(tl.int64)
+    # The group's first layer, here rather than in a view: a view's alignment would change with the
+    # group (layer0 x (G + 1) x W words) and compile a variant each; this keeps the pool's alignment.
+    gpu_ptr += layer0.to(tl.int64) * gpu_layer_stride
+    cpu_ptr += layer0.to(tl.int64) * cpu_layer_stride
     status = tl.load(ctl_ptr + K.E_LAST_STATUS)
     run_out = (first_phase <= K.PH_OUT) & (last_phase >= K.PH_OUT)
     run_evict = (first_phase <= K.PH_EVICT) & (last_phase >= K.PH_EVICT)
@@ -408,11 +443,15 @@ def apply(
     if st.CACHE and fetched is None and rows is None:
         raise ValueError("a buffer's apply needs the fetched rows")
     T = flat.numel()
-    gpu = as_words(st.gpu_data[layers.start : layers.stop])
-    cpu = as_words(st.cpu_data[layers.start : layers.stop])
+    gpu = as_words(st.gpu_data)  # the whole pool's rows; the kernel adds the group's layer offset
+    cpu = as_words(st.cpu_data)
     write = rows is not None
     W = gpu.shape[-1]
     in_layers = in_layers if in_layers is not None else layers
+    # One pointer type for fetched rows whatever the call: a stand-in (int32 scratch, never read: the
+    # plan fetches nothing or was refused) in the pool's row unit, so a byte-row buffer compiles no
+    # variant of its own for a step without misses.
+    fetched = (fetched if fetched is not None else scratch.victims).view(gpu.dtype)
     apply_kernel[(triton.cdiv(T, K.CHUNK),)](
         flat,
         T,
@@ -447,7 +486,8 @@ def apply(
         phases[1],
         in_layers.start - layers.start,
         in_layers.stop - layers.start,
-        fetched if fetched is not None else scratch.victims,
+        fetched,
+        layers.start,
         WRITE=write,
         POLICY=st.policy,
         CHUNK=K.CHUNK,

@@ -269,7 +269,9 @@ class PBLRUBits:
         self.st.bits[self.g] = self.packed().to(self.st.bits.device)
 
 
-@triton.jit
+# Not specialised: the ints (limit varies per call; the rest size the bitmap, no vectorisable access) and
+# the caller's bucket's alignment. The other pointers are allocated by ``search``. BLOCK: constexpr.
+@triton.jit(do_not_specialize=["n_levels", "limit", "buf_size"], do_not_specialize_on_alignment=["bits_ptr"])
 def _search_kernel(
     bits_ptr, lvl_ptr, n_levels, limit, buf_ptr, buf_size, out_ptr, stats_ptr, BLOCK: tl.constexpr
 ):

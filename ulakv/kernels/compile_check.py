@@ -7,53 +7,85 @@ each distinct specialisation is compiled to a cubin for ``sm_<arch>`` with Trito
 
     python -m ulakv.kernels.compile_check [--arch 90]
 
+A launch is intercepted inside Triton's own ``JITFunction.run`` (``intercept_launches``): Triton binds
+the arguments and computes the specialisation key exactly as on a GPU (divisibility by 16 and
+equality to 1 of integers, 16-byte alignment of pointers, minus what ``do_not_specialize`` and
+``do_not_specialize_on_alignment`` exclude); its ``jit_cache_hook`` hands over what it would compile
+and stops it. So the variants compiled here are the ones a GPU would compile, no more, no fewer.
+
 Triton reads TRITON_INTERPRET once, at import; when it is on, ``main`` re-runs itself with it off.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# What a launch hands to ``intercept_launches``' callback: the JITFunction, Triton's cache key of
+# the specialisation (one compiled binary per distinct key), and what Triton would compile.
+OnLaunch = Callable[[Any, str, dict], None]
 
 
-def compile_all(arch: int = 90) -> list[str]:
-    """Drive a small pool and compile each kernel specialisation; returns their names."""
+class _NoDevice:
+    """Triton's active driver, as far as ``JITFunction.run`` asks before it compiles: a CUDA
+    target, device 0, stream 0. Nothing here touches a device."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def intercept_launches(arch: int, on_launch: OnLaunch) -> Iterator[None]:
+    """Inside the block, every Triton launch goes through Triton's own ``JITFunction.run`` for a
+    CUDA ``sm_<arch>`` target up to the point where it would compile; there ``on_launch(fn, key,
+    compile)`` gets the specialisation and nothing is compiled or launched. Needs TRITON_INTERPRET=0
+    at triton's first import; no GPU. Kernels never launched for real in this process are assumed
+    (their binders, cached per device, are built against the stand-in target)."""
     from ._triton import INTERPRETED
 
     if INTERPRETED:
-        raise RuntimeError("compile_check needs TRITON_INTERPRET=0 when triton is first imported")
-    import torch
-    import triton
+        raise RuntimeError("intercepting launches needs TRITON_INTERPRET=0 when triton is first imported")
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction, mangle_type
+    from triton.runtime.driver import driver
+
+    def hook(*, key, fn, compile, **_) -> bool:
+        on_launch(fn.jit_function, key, compile)
+        return True  # Triton's contract: a true result skips the compilation, and run launches nothing
+
+    previous_driver, previous_hook = driver._active, knobs.runtime.jit_cache_hook
+    driver.set_active(_NoDevice(GPUTarget("cuda", arch, 32)))
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver._active = previous_driver
+
+
+def drive_pool() -> None:
+    """Every launch the pool makes, in each configuration the tool covers: two row widths (words
+    and bytes), both policies, a striped rank's buffer, and PB-LRU's standalone search."""
+    import torch
 
     from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
     from ulakv.kernels.buckets import bucket_bits, search
     from ulakv.kernels.operands import readable_rows
     from ulakv.layouts.tiered_state import BufferState, TieredLayout
 
-    target = GPUTarget("cuda", arch, 32)
-    compiled: dict[tuple, str] = {}
-
-    def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
-        bound = dict(zip([p.name for p in self.params], args, strict=False))
-        bound.update(kwargs)
-        signature, constexprs = {}, {}
-        for p in self.params:
-            value = bound[p.name]
-            if p.is_constexpr:
-                signature[p.name] = "constexpr"
-                constexprs[p.name] = value
-            else:
-                signature[p.name] = mangle_type(value)
-        key = (self.fn.__name__, tuple(signature.items()), tuple(constexprs.items()))
-        if key not in compiled:
-            triton.compile(ASTSource(self, signature, constexprs), target=target)
-            compiled[key] = self.fn.__name__
-
-    JITFunction.run = compile_instead_of_launch
     for width, policy in ((656, ExactLRU()), (5, ExactLRU()), (656, PBLRU(4))):  # words, bytes
         cfg = PoolConfig(
             entry=EntrySpec(bytes_per_layer=width),
@@ -79,7 +111,28 @@ def compile_all(arch: int = 90) -> list[str]:
         plan, _ = layout.plan(0, flat)
         layout.execute(plan, fetched=readable_rows(torch.zeros((4, 2, width), dtype=torch.uint8)))
     search(bucket_bits(torch.ones(40, dtype=torch.bool)), 40, 4)
-    return sorted(set(compiled.values()))
+
+
+def compile_all(arch: int = 90) -> dict[str, int]:
+    """Drive a small pool and compile each kernel specialisation it launches; returns the number
+    of variants compiled per kernel name."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    compiled: dict[str, set[str]] = {}
+
+    def compile_instead_of_launch(fn: Any, key: str, what: dict) -> None:
+        keys = compiled.setdefault(fn.fn.__name__, set())
+        if key not in keys:
+            attrs = what["configs"][0]
+            triton.compile(ASTSource(fn, what["signature"], what["constants"], attrs), target=target)
+            keys.add(key)
+
+    with intercept_launches(arch, compile_instead_of_launch):
+        drive_pool()
+    return {name: len(keys) for name, keys in sorted(compiled.items())}
 
 
 def main() -> None:
@@ -91,8 +144,9 @@ def main() -> None:
     if INTERPRETED:
         env = {**os.environ, "TRITON_INTERPRET": "0"}
         os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], env)
-    names = compile_all(args.arch)
-    print(f"compiled for sm_{args.arch}: {', '.join(names)}")
+    variants = compile_all(args.arch)
+    print(f"compiled for sm_{args.arch}: {', '.join(variants)}")
+    print(f"variants: {sum(variants.values())} ({', '.join(f'{k} {n}' for k, n in variants.items())})")
 
 
 if __name__ == "__main__":

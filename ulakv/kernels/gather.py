@@ -13,7 +13,12 @@ from ._triton import tl, triton
 ROWS = 16
 
 
-@triton.jit
+# Not specialised: n (varies), G (pool constant, no vectorisable access), the alignment of the caller's
+# addresses, of group g's mapping row and of layer l's rows (offset l x rows x W: a slow path, not worth
+# wide loads). Specialised: W (row width, fixed per pool), out_ptr (a fresh tensor), constexprs.
+@triton.jit(
+    do_not_specialize=["n", "G"], do_not_specialize_on_alignment=["addr_ptr", "map_ptr", "gpu_ptr", "cpu_ptr"]
+)
 def gather_kernel(
     addr_ptr, n, map_ptr, G, gpu_ptr, cpu_ptr, out_ptr, W, ROWS: tl.constexpr, WORDS: tl.constexpr
 ):

@@ -37,7 +37,11 @@ from .buckets import PBLRUBits
 from .victims import BLOCK, victims_program, victims_reference
 
 
-@triton.jit
+# Not specialised: T (batch size), N (capacity: a bounds check only, so pools of any size share the
+# binary); sel_ptr and map_ptr alignment (the caller's view; row g of mapping). claim_ptr and ctl_ptr
+# are whole-pool tensors, allocated once: their alignment never changes. WRITE, CHUNK: constexprs.
+# (Before: 10 claim variants in tests/test_compile_variants.py's serving loop, about 4 s each on a GPU.)
+@triton.jit(do_not_specialize=["T", "N"], do_not_specialize_on_alignment=["sel_ptr", "map_ptr"])
 def claim_kernel(sel_ptr, T, N, map_ptr, claim_ptr, ctl_ptr, WRITE: tl.constexpr, CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
@@ -59,7 +63,37 @@ def claim_kernel(sel_ptr, T, N, map_ptr, claim_ptr, ctl_ptr, WRITE: tl.constexpr
             tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_DUPLICATE)
 
 
-@triton.jit
+# Not specialised: every int (T varies each call, group_row_bytes with the short last group, the rest
+# are pool constants that feed no vectorisable access: specialising them only splits binaries by pool
+# size); the alignment of the caller's selection and of every group's row of a [groups, ...] tensor.
+# Specialised: whole-pool tensors and the call scratch (allocated whole: alignment fixed), constexprs.
+# (Before: up to 15 classify variants in that loop; now 2, a prepare's and a write's.)
+@triton.jit(
+    do_not_specialize=[
+        "T",
+        "N",
+        "G",
+        "BW",
+        "n_levels",
+        "R",
+        "frontier_size",
+        "Qcap",
+        "group_row_bytes",
+        "layer_row_bytes",
+    ],
+    do_not_specialize_on_alignment=[
+        "sel_ptr",
+        "map_ptr",
+        "gctl_ptr",
+        "bits_ptr",
+        "stamp_ptr",
+        "ver_ptr",
+        "q_slot_ptr",
+        "q_ver_ptr",
+        "gpu_free_ptr",
+        "cpu_free_ptr",
+    ],
+)
 def classify_kernel(
     sel_ptr,
     T,

@@ -15,7 +15,13 @@ from .buckets import PBLRUBits
 BLOCK = 1024
 
 
-@triton.jit
+# Not specialised: every int (n varies with the request; the rest are pool constants that feed no
+# vectorisable access) and addr_ptr's alignment (the caller's addresses). Every other pointer is a
+# whole-pool tensor, allocated once: its alignment never changes. POLICY, BLOCK: constexprs.
+@triton.jit(
+    do_not_specialize=["n", "N", "G", "C", "num_groups", "BW", "n_levels", "R"],
+    do_not_specialize_on_alignment=["addr_ptr"],
+)
 def release_kernel(
     addr_ptr,
     n,
