@@ -9,6 +9,7 @@ each runs ``_after_call`` after every call that changes it.
 
 from __future__ import annotations
 
+import abc
 import os
 from dataclasses import dataclass
 
@@ -39,15 +40,16 @@ def same_device(t: torch.Tensor, device: torch.device) -> bool:
     return device.index is None or t.device.index == device.index
 
 
-class PoolFrame:
+class PoolFrame(abc.ABC):
     config: PoolConfig
     device: torch.device
     _allocator: LogicalAllocator
     _id: int
     _debug: bool = False
 
+    @abc.abstractmethod
     def check_invariants(self) -> None:
-        raise NotImplementedError
+        """Check the whole state (synchronises); each pool kind knows its own state."""
 
     def _after_call(self) -> None:
         """After every call that changes the pool: under ``ULAKV_DEBUG=1``, the whole-state check
