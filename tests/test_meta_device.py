@@ -2,9 +2,10 @@
 
 A pool whose device is ``meta`` builds at full size without allocating: it admits, extends and
 releases addresses exactly as a real pool of its kind does (capacity and ``CapacityError`` included),
-and refuses every call that would touch data (``write``, ``prepare``, ``read``) with a
-``UlakvError`` that names the meta device. Every single-process kind: the tiered pool and both
-baselines. The capacity planner's own use of meta pools: ``tests/test_capacity.py``.
+and refuses every call that would touch data (``write``, ``prepare``, ``read``, ``residency``,
+``stats``, ``check_invariants``) with a ``UlakvError`` that names the meta device. Every
+single-process kind: the tiered pool and both baselines. The capacity planner's own use of meta
+pools: ``tests/test_capacity.py``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def test_meta_device_admits_but_holds_no_data(cfg: PoolConfig) -> None:
         lambda: pool.write(0, addrs, rows),
         lambda: pool.prepare(0, addrs.view(1, 2)),
         lambda: pool.read(0, addrs),
+        lambda: pool.residency(0, addrs),
+        pool.stats,
+        pool.check_invariants,
     ):
         with pytest.raises(UlakvError, match="meta"):
             call()

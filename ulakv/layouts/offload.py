@@ -271,6 +271,7 @@ class OffloadPool(PoolFrame):
     def residency(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
         """Row of ``gpu_buffer(layer)`` holding each address's copy in ``group`` (its request's
         buffer), -1 where only the CPU history holds it."""
+        self._need_kernels("residency")
         self._check_group(group)
         self._check_addresses("residency", addrs)
         flat = addrs.reshape(-1).to(torch.int64).to(self.device)
@@ -297,6 +298,7 @@ class OffloadPool(PoolFrame):
         """Counters summed over the request buffers; ``bytes_out`` is the eager backup of writes.
         An entry counts once it holds data in its group (written or selected, as ``Pool`` counts);
         its CPU row is its one copy that counts as a home, buffered GPU rows are further copies."""
+        self._need_kernels("stats")
         totals = torch.stack([b.state.stats for b in self._buffers]).sum(0).tolist()
         counters = dict(zip(K.STAT_NAMES, totals, strict=False))
         groups = self.num_groups
@@ -321,6 +323,7 @@ class OffloadPool(PoolFrame):
 
     def check_invariants(self) -> None:
         """Each buffer's invariants over its own request's addresses (an idle buffer: none)."""
+        self._need_kernels("check_invariants")
         for r, layout in enumerate(self._buffers):
             seq = self._seqs.get(r)
             check_invariants(layout.state, _OnlyLive(self.capacity, seq._runs if seq else []))

@@ -175,6 +175,7 @@ class StripedPool(PoolFrame):
     def prepare(self, group: int, topk: torch.Tensor) -> Selection:
         """Collective: every rank passes the same ``topk`` and gets slots into its own
         ``gpu_buffer(layer)``; misses are fetched from their homes with one all-gather."""
+        self._need_kernels("prepare")
         self._check_usable()
         self.inner._check_group(group)
         if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
@@ -262,6 +263,7 @@ class StripedPool(PoolFrame):
     # -- slow paths ------------------------------------------------------------------------------
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
         """Collective: the bytes of ``addrs`` from their homes, on every rank."""
+        self._need_kernels("read")
         self._check_usable()
         self.inner._check_layer(layer)
         self._check_addresses("read", addrs)

@@ -240,6 +240,7 @@ class TieredPool(PoolFrame):
 
     def residency(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
         """GPU slot of each address in ``group``, -1 where it is on the CPU or has no home."""
+        self._need_kernels("residency")
         self._check_group(group)
         self._check_addresses("residency", addrs)
         addrs = addrs.reshape(-1).to(self.device)
@@ -249,6 +250,7 @@ class TieredPool(PoolFrame):
 
     def stats(self) -> dict[str, int]:
         """Counters (cumulative) and occupancy; synchronises, and raises a deferred error."""
+        self._need_kernels("stats")
         self._finish_pending()
         self.check()
         st = self._state
@@ -271,6 +273,7 @@ class TieredPool(PoolFrame):
 
     def check(self) -> None:
         """Raise (and clear) an error that a non-validating ``prepare``/``write`` recorded."""
+        self._need_kernels("check")
         pending = int(self._state.ctl[int(K.E_PENDING)])
         if pending:
             self._state.ctl[int(K.E_PENDING)] = 0
@@ -284,6 +287,7 @@ class TieredPool(PoolFrame):
         (``_after_call``). Those checks need a snapshot taken before the plan ran, so this method
         cannot run them.
         """
+        self._need_kernels("check_invariants")
         self._finish_pending()
         check_invariants(self._state, self._allocator)
 
