@@ -24,6 +24,7 @@ from ulakv import (
     Sequence,
     Tiered,
 )
+from ulakv.address_space import LogicalAllocator
 from ulakv.invariants import check_invariants
 from ulakv.kernels import common as K
 from ulakv.layouts.tiered_state import TieredState
@@ -332,16 +333,6 @@ def assert_holds_nothing(state: TieredState) -> None:
     assert not bool(state.bits.any()), "a PB-LRU bucket still lists a slot"
 
 
-class _NothingLive:
-    """An allocator's view for ``check_invariants``: every address is free."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-
-    def free_runs(self) -> list[range]:
-        return [range(self.capacity)]
-
-
 @contextlib.contextmanager
 def looking_behind_reset() -> Iterator[list[TieredState]]:
     """A pool (or a buffer) puts its policy state back to fresh once nothing is left in it (invariant
@@ -352,7 +343,7 @@ def looking_behind_reset() -> Iterator[list[TieredState]]:
 
     def checked_reset(state: TieredState) -> None:
         assert_holds_nothing(state)
-        check_invariants(state, _NothingLive(state.num_addresses))  # ring, versions, buckets too
+        check_invariants(state, LogicalAllocator(state.num_addresses))  # a fresh one: nothing live
         seen.append(state)
         reset(state)
 
