@@ -392,7 +392,7 @@ def test_planted_recency_defect_only_the_plan_check_catches(debug, policy, kerne
 # the structural check at rest: each kind of damage it claims to see, planted by hand
 
 
-def _at_rest(policy, gpu_slots: int = 6):
+def _at_rest(policy, gpu_slots: int):
     """A pool with both tiers used: its GPU slots full, the rest on the CPU, one selection applied."""
     pool = Pool(
         PoolConfig(
@@ -469,25 +469,25 @@ def _summary_bit_wrong(st, addrs):
 
 
 STRUCTURAL = [
-    ("share-a-home", None, _share_a_home, "share one home"),
-    ("dead-keeps-a-home", None, _dead_keeps_a_home, "not live still has a mapping"),
-    ("live-marked-free", None, _live_marked_free, "live address is marked free"),
-    ("home-out-of-range", None, _home_out_of_range, "out of range"),
-    ("owner-disagrees", None, _owner_disagrees, "owner"),
-    ("gpu-free-stack-used-slot", None, _gpu_free_stack_lists_a_used_slot, "GPU free stack"),
-    ("cpu-row-leaks", None, _cpu_row_leaks, "CPU free stack"),
-    ("lru-entry-forgotten", ExactLRU(), _lru_entry_forgotten, "LRU order"),
-    ("slot-in-two-buckets", PBLRU(3), _slot_in_two_buckets, "buckets"),
-    ("bucket-lists-a-phantom-slot", PBLRU(3), _phantom_slot, "past the"),
-    ("summary-bit-wrong-40-slots", PBLRU(3), _summary_bit_wrong, "summary bit"),
+    ("share-a-home", None, 6, _share_a_home, "share one home"),
+    ("dead-keeps-a-home", None, 6, _dead_keeps_a_home, "not live still has a mapping"),
+    ("live-marked-free", None, 6, _live_marked_free, "live address is marked free"),
+    ("home-out-of-range", None, 6, _home_out_of_range, "out of range"),
+    ("owner-disagrees", None, 6, _owner_disagrees, "owner"),
+    ("gpu-free-stack-used-slot", None, 6, _gpu_free_stack_lists_a_used_slot, "GPU free stack"),
+    ("cpu-row-leaks", None, 6, _cpu_row_leaks, "CPU free stack"),
+    ("lru-entry-forgotten", ExactLRU(), 6, _lru_entry_forgotten, "LRU order"),
+    ("slot-in-two-buckets", PBLRU(3), 6, _slot_in_two_buckets, "buckets"),
+    ("bucket-lists-a-phantom-slot", PBLRU(3), 6, _phantom_slot, "past the"),
+    ("summary-bit-wrong-40-slots", PBLRU(3), 40, _summary_bit_wrong, "summary bit"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("policy", "damage", "message"), [c[1:] for c in STRUCTURAL], ids=[c[0] for c in STRUCTURAL]
+    ("policy", "gpu_slots", "damage", "message"), [c[1:] for c in STRUCTURAL], ids=[c[0] for c in STRUCTURAL]
 )
-def test_the_structural_check_sees_each_kind_of_damage(policy, damage, message) -> None:
-    pool, addrs = _at_rest(policy or ExactLRU(), 40 if damage is _summary_bit_wrong else 6)
+def test_the_structural_check_sees_each_kind_of_damage(policy, gpu_slots, damage, message) -> None:
+    pool, addrs = _at_rest(policy or ExactLRU(), gpu_slots)  # 40 slots: a summary level exists
     damage(pool._state, addrs)
     with pytest.raises(InvariantError, match=message):
         check_invariants(pool._state, pool._allocator)
