@@ -1,0 +1,124 @@
+"""A prepare's critical path: the sum over its launches of the busiest program's memory operations
+(``ulakv.kernels.critical_path``), at decode shapes, both policies.
+
+    python benchmarks/critical_path.py                 # batch 16 and 64 x 3 queries x top-2048
+    python benchmarks/critical_path.py --batch 4 16    # other batches
+
+Each request has an 8K-token context (admitted, so every position is live). The selections are a
+synthetic DSA-shaped trace (``ulakv.traces.synthetic``: sinks, a local window, drifting heavy
+hitters, far picks partly reused, three speculative query positions). The GPU tier holds twice one
+step's working set, the CPU tier the rest. A first prepare fills every GPU slot, two steps of the
+trace follow, and the third is counted: its misses evict. The apply
+kernel is counted with its GPU tiling (``apply.GPU_ROWS``). Runs under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv.kernels import apply as apply_mod
+from ulakv.kernels.critical_path import count_memory_ops, critical_path
+from ulakv.traces import SyntheticSpec, synthetic
+
+CONTEXT = 8192
+TOPK = 2048
+QUERIES = 3
+WARMUP_STEPS = 2
+
+
+def selections(batch: int, seed: int = 0) -> tuple[torch.Tensor, int]:
+    """Positions ``[steps, batch, queries, topk]`` and one step's working set (most distinct
+    positions over the batch in any step)."""
+    spec = SyntheticSpec(
+        requests=batch,
+        prompt=(CONTEXT - WARMUP_STEPS - 1, CONTEXT - WARMUP_STEPS - 1),
+        steps=WARMUP_STEPS + 1,
+        topk=TOPK,
+        queries=QUERIES,
+        groups=1,
+        arrival_spread=0,
+        seed=seed,
+    )
+    topk = torch.stack([r.topk[:, 0] for r in synthetic(spec).requests], dim=1)
+    working = max(
+        sum(int(torch.unique(topk[s, b][topk[s, b] >= 0]).numel()) for b in range(batch))
+        for s in range(topk.shape[0])
+    )
+    return topk, working
+
+
+def measure(batch: int, policy) -> dict:
+    """Build the pool, warm it, count one prepare. Returns the row of the table."""
+    topk, working = selections(batch)
+    gpu = 2 * working
+    cpu = batch * CONTEXT - gpu + 1
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=16),
+            num_layers=1,
+            layers_per_group=1,
+            layout=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=policy),
+            validate=False,
+        )
+    )
+    seqs = [pool.admit(CONTEXT) for _ in range(batch)]
+    base = torch.stack([torch.as_tensor(s.addresses, dtype=torch.int64) for s in seqs])  # [batch, CONTEXT]
+
+    def addresses(step: int) -> torch.Tensor:
+        pos = topk[step].long()  # [batch, queries, k]
+        addrs = torch.gather(base[:, None, :].expand(-1, QUERIES, -1), 2, pos.clamp(min=0))
+        return torch.where(pos >= 0, addrs, -1).to(torch.int32)
+
+    # Fill every GPU slot first (positions from the far end of the contexts, read once), so the
+    # steps that follow evict: the planning work that grows with the misses is what is measured.
+    pool.prepare(0, base.flip(1).flatten()[:gpu].view(1, -1).to(torch.int32))
+    for step in range(WARMUP_STEPS):
+        pool.prepare(0, addresses(step))
+    before = pool.stats()
+    rows, apply_mod.ROWS = apply_mod.ROWS, apply_mod.GPU_ROWS
+    try:
+        with count_memory_ops() as launches:
+            pool.prepare(0, addresses(WARMUP_STEPS))
+    finally:
+        apply_mod.ROWS = rows
+    after = pool.stats()
+    misses = after["misses"] - before["misses"]
+    hits = after["hits"] - before["hits"]
+    return dict(
+        batch=batch,
+        policy=str(policy),
+        gpu_slots=gpu,
+        misses=misses,
+        hits=hits,
+        evicted=after["victims"] - before["victims"],
+        launches=" + ".join(f"{launch.kernel} {launch.busiest}" for launch in launches),
+        programs=max(launch.programs for launch in launches),
+        critical_path=critical_path(launches),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    args = parser.parse_args()
+    columns = ["batch", "policy", "gpu_slots", "misses", "evicted", "hits", "launches", "programs"]
+    print("| " + " | ".join([*columns, "critical_path"]) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for batch in args.batch:
+        for policy in (ExactLRU(), PBLRU(8)):
+            t0 = time.perf_counter()
+            row = measure(batch, policy)
+            cells = [str(row[c]) for c in columns] + [f"**{row['critical_path']}**"]
+            print("| " + " | ".join(cells) + " |", flush=True)
+            print(f"<!-- {time.perf_counter() - t0:.0f} s -->", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""What a GPU would wait for, counted under the Triton interpreter: the memory operations of every
+program of every launch.
+
+A GPU runs a launch's programs side by side, so a launch lasts about as long as its busiest program,
+and a call as long as the sum of its launches' busiest programs: its *critical path*. Each vector
+memory operation (a load, a store, an atomic; up to a block of lanes) is a dependent step of about a
+microsecond on one SM. The interpreter runs programs one after another and hides all of that, so this
+module counts the operations each program issues::
+
+    with count_memory_ops() as launches:
+        pool.prepare(group, topk)
+    critical_path(launches)  # sum over launches of the busiest program's operations
+
+Counting patches the interpreter's builder for the duration of the block (one block at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ._triton import INTERPRETED
+
+# The builder calls that issue a memory operation: loads, stores, atomics (read-modify-write, CAS).
+_MEMORY_OPS = (
+    "create_load",
+    "create_masked_load",
+    "create_store",
+    "create_masked_store",
+    "create_atomic_rmw",
+    "create_atomic_cas",
+)
+
+
+@dataclass
+class Launch:
+    """One kernel launch: its name and each program's count of memory operations."""
+
+    kernel: str
+    per_program: dict[tuple[int, int, int], int] = field(default_factory=dict)
+
+    @property
+    def programs(self) -> int:
+        return len(self.per_program)
+
+    @property
+    def busiest(self) -> int:
+        """Operations of the busiest program: the launch's length on a GPU, in dependent steps."""
+        return max(self.per_program.values(), default=0)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_program.values())
+
+
+def critical_path(launches: list[Launch]) -> int:
+    """Sum over the launches of their busiest program's operations."""
+    return sum(launch.busiest for launch in launches)
+
+
+@contextmanager
+def count_memory_ops() -> Iterator[list[Launch]]:
+    """Record every interpreted launch inside the block, program by program."""
+    if not INTERPRETED:
+        raise RuntimeError("count_memory_ops needs the Triton interpreter (TRITON_INTERPRET=1)")
+    from triton.runtime import interpreter
+
+    builder_cls, executor_cls = type(interpreter.interpreter_builder), interpreter.GridExecutor
+    launches: list[Launch] = []
+    saved = {name: getattr(builder_cls, name) for name in _MEMORY_OPS}
+    saved_call, saved_grid_idx = executor_cls.__call__, builder_cls.set_grid_idx
+
+    def counting(name: str):
+        op = saved[name]
+
+        def wrapper(self, *args, **kwargs):
+            if launches:
+                counts = launches[-1].per_program
+                counts[self.grid_idx] = counts.get(self.grid_idx, 0) + 1
+            return op(self, *args, **kwargs)
+
+        return wrapper
+
+    def launch(self, *args, **kwargs):
+        launches.append(Launch(self.fn.__name__))
+        return saved_call(self, *args, **kwargs)
+
+    def enter_program(self, x, y, z):
+        saved_grid_idx(self, x, y, z)
+        if launches:  # a program that issues nothing still ran: it counts at zero
+            launches[-1].per_program.setdefault((x, y, z), 0)
+
+    for name in _MEMORY_OPS:
+        setattr(builder_cls, name, counting(name))
+    executor_cls.__call__ = launch
+    builder_cls.set_grid_idx = enter_program
+    try:
+        yield launches
+    finally:
+        for name, op in saved.items():
+            setattr(builder_cls, name, op)
+        executor_cls.__call__ = saved_call
+        builder_cls.set_grid_idx = saved_grid_idx
