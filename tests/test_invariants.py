@@ -22,6 +22,7 @@ from ulakv.errors import InvariantError
 from ulakv.invariants import check_invariants
 from ulakv.kernels import common as K
 from ulakv.kernels.buckets import PBLRUBits
+from ulakv.kernels.victims import victim_location
 from ulakv.layouts.tiered_state import REFERENCE, TRITON, Kernels
 from ulakv.transfer import Phase, PlanInterrupted, interrupt_after
 
@@ -200,16 +201,15 @@ def keep_in_lru_order(st, g: int, slot: int) -> None:
 
 def keep_in_bucket(st, g: int, old: int, new: int, old_stamp: int) -> None:
     """PB-LRU: ``old`` keeps its entry, so it goes back to the bucket its old stamp names. ``new``
-    receives the miss, so it moves to the current round's bucket."""
+    receives the miss: it leaves its bucket as a taken victim does (commit puts it in the current
+    round's)."""
     bits = PBLRUBits(st, g)
     cur = int(st.gctl[g, int(K.G_ROUND)])
     ref = cur + 1  # the plan ended the round: its retired bucket is cold already
-    bits.sets[cur % bits.R].discard(old)
     st.stamp[g, old] = old_stamp
     bits.sets[bits.bucket_of(old_stamp, ref)].add(old)
     if int(st.stamp[g, new]) != cur:
         bits.sets[bits.bucket_of(int(st.stamp[g, new]), ref)].discard(new)
-        bits.place(new, cur)
     bits.store()
 
 
@@ -223,8 +223,9 @@ def corrupting(choose) -> Kernels:
         k_free, V = int(st.ctl[int(K.E_KFREE)]), int(st.ctl[int(K.E_VICTIMS)])
         assert k_free < V, "the scenario must evict"
         j, new = choose(st, g, scratch, sel.numel(), k_free, V)
-        old = int(scratch.victims[j])
-        scratch.victims[j] = new
+        where, i = victim_location(scratch, st.ctl.tolist(), j)
+        old = int(where[i])
+        where[i] = new
         if st.policy == K.EXACT_LRU:
             keep_in_lru_order(st, g, old)
         else:

@@ -26,6 +26,7 @@ import torch
 
 from .errors import UlakvError
 from .kernels import common as K
+from .kernels.victims import victim_slots
 
 
 class Phase(enum.IntEnum):
@@ -93,7 +94,7 @@ class TransferPlan:
         ctl = self.ctl.cpu()
         k_free, victims = int(ctl[int(K.E_KFREE)]), int(ctl[int(K.E_VICTIMS)])
         j = torch.arange(pos.numel())
-        dest = torch.where(j < victims, sc.victims[: pos.numel()].cpu().to(torch.int64), -1)
+        dest = torch.where(j < victims, victim_slots(sc, ctl.tolist(), j), -1)
         popped = sc.popped.cpu().to(torch.int64)
         cpu_row = torch.where(j >= k_free, popped[(j - k_free).clamp(min=0, max=popped.numel() - 1)], -1)
         return {

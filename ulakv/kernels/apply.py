@@ -1,4 +1,6 @@
-"""Apply: carry out a plan. One program per chunk of the selection, no atomics.
+"""Apply: carry out a plan. A grid of (chunk, tile) programs: program ``(c, t)`` moves
+misses ``t * ROWS`` to ``t * ROWS + ROWS`` of chunk ``c``, so the busiest program moves one tile of rows
+however many misses a chunk has.
 
 A swap never overwrites a live home: each victim's rows first go to a *free* CPU row (the pool keeps
 ``staging_slots`` spare rows so one exists even when every admitted row is taken), then its mapping
@@ -13,8 +15,9 @@ Programs never touch each other's rows: a victim slot, a popped CPU row and a mi
 belong to exactly one miss, and victims are never selected in the same call.
 
 Recency (exact LRU): every distinct GPU-resident address of the call is appended to the LRU queue
-with a new version; older pairs of the same slot turn stale. (PB-LRU moved hits to the current
-bucket in the lookup and new entries in the plan.)
+with a new version; older pairs of the same slot turn stale. PB-LRU moved hits to the current
+bucket in the lookup; commit puts each slot that receives an entry there (atomics: bits of one word
+belong to several programs' slots).
 
 ``slots`` for every element (a duplicate finds its first occurrence's slot through the victim list)
 are written with the ``evict`` phase; a call whose status is not clean writes ``-1`` there and
@@ -25,9 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from . import buckets
 from . import common as K
 from ._triton import INTERPRETED, tl, triton
+from .buckets import PBLRUBits
 from .operands import as_words
+from .victims import victim_slot, victim_slots
 
 # Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
 # interpreter pays per operation, not per element, so it takes 4x larger tiles. The launcher reads
@@ -53,6 +59,10 @@ def _miss_tile(
     miss_pos_ptr,
     victims_ptr,
     popped_ptr,
+    cand_ptr,
+    seg_ptr,
+    ctl_ptr,
+    CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """The misses ``r0 .. r0 + ROWS`` of a chunk: position, address, source home, GPU slot (if
@@ -64,7 +74,7 @@ def _miss_tile(
     src = tl.load(home_ptr + p, mask=mm, other=0)
     j = m_off + r
     has_slot = mm & (j < V)
-    v = tl.load(victims_ptr + j, mask=has_slot, other=0)
+    v = victim_slot(j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, ctl_ptr, CHUNK)
     popping = mm & (j >= k_free)  # misses past the free slots evict, or get a CPU row themselves
     cpu_row = tl.load(popped_ptr + (j - k_free), mask=popping, other=0)
     return p, a, src, mm, has_slot, v, popping, cpu_row
@@ -88,6 +98,10 @@ def _miss_tile(
         "in_lo",
         "in_hi",
         "layer0",
+        "BW",
+        "n_levels",
+        "R",
+        "frontier_size",
     ],
     do_not_specialize_on_alignment=[
         "sel_ptr",
@@ -99,6 +113,9 @@ def _miss_tile(
         "cpu_free_ptr",
         "rows_ptr",
         "slots_ptr",
+        "gctl_ptr",
+        "bits_ptr",
+        "stamp_ptr",
     ],
 )
 def apply_kernel(
@@ -110,6 +127,7 @@ def apply_kernel(
     counts_ptr,
     miss_pos_ptr,
     miss_rank_ptr,
+    cpu_rank_ptr,
     first_pos_ptr,
     ctl_ptr,
     map_ptr,
@@ -137,6 +155,17 @@ def apply_kernel(
     in_hi,
     fetched_ptr,
     layer0,
+    cand_ptr,
+    seg_ptr,
+    gctl_ptr,
+    bits_ptr,
+    BW,
+    lvl_ptr,
+    n_levels,
+    stamp_ptr,
+    R,
+    frontier_ptr,
+    frontier_size,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -144,10 +173,14 @@ def apply_kernel(
     WORDS: tl.constexpr,
     CACHE: tl.constexpr,
 ):
+    # Program (c, t) moves misses t * ROWS .. t * ROWS + ROWS of chunk c and writes that tile of the
+    # chunk's elements (a write's rows); tile 0 also outputs the chunk's slots and appends its recency.
+    # A chunk's misses are thus spread over CHUNK / ROWS programs: the busiest program's work does not
+    # grow with the misses (one program a chunk moved up to 1,024 rows, 64 tiles in a row, before).
     pid = tl.program_id(0)
+    tile = tl.program_id(1)
     base = pid.to(tl.int64) * CHUNK
-    pos = base + tl.arange(0, CHUNK)
-    inb = pos < T
+    r0 = tile * ROWS
     # Layer offsets in int64: 4 layers x 5 M CPU rows x 164 words already passes 2**31.
     gpu_layer_stride = gpu_layer_stride.to(tl.int64)
     cpu_layer_stride = cpu_layer_stride.to(tl.int64)
@@ -162,8 +195,9 @@ def apply_kernel(
     run_commit = (first_phase <= K.PH_COMMIT) & (last_phase >= K.PH_COMMIT)
     if status != 0:
         if not WRITE:
-            if run_evict:
-                tl.store(slots_ptr + pos, tl.full((CHUNK,), -1, tl.int32), mask=inb)
+            if run_evict & (tile == 0):
+                pos = base + tl.arange(0, CHUNK)
+                tl.store(slots_ptr + pos, tl.full((CHUNK,), -1, tl.int32), mask=pos < T)
     else:
         off = chunk_off_ptr + pid * K.OFF_WORDS
         m_off = tl.load(off + K.O_MISS)
@@ -172,26 +206,31 @@ def apply_kernel(
         V = tl.load(ctl_ptr + K.E_VICTIMS)
         w = tl.arange(0, WORDS)
         wm = w < W
+        has_misses = r0 < n_miss
+        p, a, src, mm, has_slot, v, popping, cpu_row = _miss_tile(
+            r0,
+            n_miss,
+            base,
+            m_off,
+            k_free,
+            V,
+            G,
+            sel_ptr,
+            home_ptr,
+            miss_pos_ptr,
+            victims_ptr,
+            popped_ptr,
+            cand_ptr,
+            seg_ptr,
+            ctl_ptr,
+            CHUNK,
+            ROWS,
+        )
 
         # -- out: victims' rows, every layer, to their popped CPU rows ----------------------------
         # (a buffer drops its victims: their home is on another rank)
         if run_out and not CACHE:
-            for r0 in range(0, n_miss, ROWS):
-                p, a, src, mm, has_slot, v, popping, cpu_row = _miss_tile(
-                    r0,
-                    n_miss,
-                    base,
-                    m_off,
-                    k_free,
-                    V,
-                    G,
-                    sel_ptr,
-                    home_ptr,
-                    miss_pos_ptr,
-                    victims_ptr,
-                    popped_ptr,
-                    ROWS,
-                )
+            if has_misses:
                 old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
                 evict = (has_slot & popping & (old >= 0))[:, None] & wm[None, :]
                 v2 = v.to(tl.int64)[:, None] * W + w[None, :]
@@ -203,22 +242,7 @@ def apply_kernel(
 
         # -- evict: victims now live on the CPU; output slots --------------------------------------
         if run_evict:
-            for r0 in range(0, n_miss, ROWS):
-                p, a, src, mm, has_slot, v, popping, cpu_row = _miss_tile(
-                    r0,
-                    n_miss,
-                    base,
-                    m_off,
-                    k_free,
-                    V,
-                    G,
-                    sel_ptr,
-                    home_ptr,
-                    miss_pos_ptr,
-                    victims_ptr,
-                    popped_ptr,
-                    ROWS,
-                )
+            if has_misses:
                 old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
                 evict = has_slot & popping & (old >= 0)
                 if CACHE:  # dropped: the entry lives on its home rank, not here
@@ -227,39 +251,31 @@ def apply_kernel(
                     tl.store(map_ptr + old, G + cpu_row, mask=evict)
                 tl.store(owner_ptr + v, tl.full((ROWS,), -1, tl.int32), mask=evict)
             if not WRITE:
-                slot = _slot_of(
-                    pos,
-                    inb,
-                    CHUNK,
-                    flags_ptr,
-                    home_ptr,
-                    first_pos_ptr,
-                    chunk_off_ptr,
-                    miss_rank_ptr,
-                    victims_ptr,
-                    V,
-                )
-                tl.store(slots_ptr + pos, slot, mask=inb)
+                if tile == 0:
+                    pos = base + tl.arange(0, CHUNK)
+                    inb = pos < T
+                    slot = _slot_of(
+                        pos,
+                        inb,
+                        CHUNK,
+                        flags_ptr,
+                        home_ptr,
+                        first_pos_ptr,
+                        chunk_off_ptr,
+                        miss_rank_ptr,
+                        victims_ptr,
+                        cand_ptr,
+                        seg_ptr,
+                        ctl_ptr,
+                        k_free,
+                        V,
+                    )
+                    tl.store(slots_ptr + pos, slot, mask=inb)
         tl.debug_barrier()
 
         # -- in: misses' rows, layers [in_lo, in_hi), into their GPU slots --------------------------
         if run_in:
-            for r0 in range(0, n_miss, ROWS):
-                p, a, src, mm, has_slot, v, popping, cpu_row = _miss_tile(
-                    r0,
-                    n_miss,
-                    base,
-                    m_off,
-                    k_free,
-                    V,
-                    G,
-                    sel_ptr,
-                    home_ptr,
-                    miss_pos_ptr,
-                    victims_ptr,
-                    popped_ptr,
-                    ROWS,
-                )
+            if has_misses:
                 from_cpu = (mm & (src >= G))[:, None] & wm[None, :]
                 src2 = (src - G).to(tl.int64)[:, None] * W + w[None, :]
                 to_gpu = has_slot[:, None] & wm[None, :]
@@ -286,7 +302,7 @@ def apply_kernel(
                         tl.store(cpu_ptr + layer * cpu_layer_stride + c2, row, mask=to_cpu)
             if WRITE:
                 _write_homed(
-                    base,
+                    base + r0,
                     T,
                     G,
                     flags_ptr,
@@ -300,58 +316,51 @@ def apply_kernel(
                     W,
                     w,
                     wm,
-                    CHUNK,
                     ROWS,
                 )
         tl.debug_barrier()  # data before mapping
 
         # -- commit: misses live where their rows are; freed CPU rows; recency -----------------------
         if run_commit:
-            push_base = tl.load(ctl_ptr + K.E_PUSH_BASE)
-            push_run = tl.load(off + K.O_PUSH)
-            for r0 in range(0, n_miss, ROWS):
-                p, a, src, mm, has_slot, v, popping, cpu_row = _miss_tile(
-                    r0,
-                    n_miss,
-                    base,
-                    m_off,
-                    k_free,
-                    V,
-                    G,
-                    sel_ptr,
-                    home_ptr,
-                    miss_pos_ptr,
-                    victims_ptr,
-                    popped_ptr,
-                    ROWS,
-                )
+            if has_misses:
                 tl.store(map_ptr + a, tl.where(has_slot, v, G + cpu_row), mask=mm)
                 tl.store(owner_ptr + v, a.to(tl.int32), mask=has_slot)
+                # A miss from the CPU frees its row: pushed at its rank among the call's such misses.
                 pushes = mm & (src >= G)
-                rank = push_run + tl.cumsum(pushes.to(tl.int64), axis=0) - 1
-                tl.store(cpu_free_ptr + push_base + rank, src - G, mask=pushes)
-                push_run += tl.sum(pushes.to(tl.int64), axis=0)
-            if POLICY == K.EXACT_LRU:  # PB-LRU recorded recency in lookup and plan
-                slot = _slot_of(
-                    pos,
-                    inb,
-                    CHUNK,
-                    flags_ptr,
-                    home_ptr,
-                    first_pos_ptr,
-                    chunk_off_ptr,
-                    miss_rank_ptr,
-                    victims_ptr,
-                    V,
-                )
-                flags = tl.load(flags_ptr + pos, mask=inb, other=0)
-                appended = ((flags & K.F_FIRST) != 0) & (slot >= 0)
-                q_off = tl.load(off + K.O_QUEUE)
-                q_pos = (q_off + tl.cumsum(appended.to(tl.int64), axis=0) - 1) % Qcap
-                version = tl.load(ver_ptr + slot, mask=appended, other=0) + 1
-                tl.store(ver_ptr + slot, version, mask=appended)
-                tl.store(q_slot_ptr + q_pos, slot, mask=appended)
-                tl.store(q_ver_ptr + q_pos, version, mask=appended)
+                push = tl.load(ctl_ptr + K.E_PUSH_BASE) + tl.load(off + K.O_PUSH)
+                push += tl.load(cpu_rank_ptr + p, mask=pushes, other=0)
+                tl.store(cpu_free_ptr + push, src - G, mask=pushes)
+                if POLICY == K.PBLRU:  # every slot that receives an entry joins the current round
+                    rnd = tl.load(gctl_ptr + K.G_ROUND)
+                    buckets.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, rnd, v, has_slot)
+            if POLICY == K.EXACT_LRU:  # PB-LRU recorded recency in lookup and above
+                if tile == 0:
+                    pos = base + tl.arange(0, CHUNK)
+                    inb = pos < T
+                    slot = _slot_of(
+                        pos,
+                        inb,
+                        CHUNK,
+                        flags_ptr,
+                        home_ptr,
+                        first_pos_ptr,
+                        chunk_off_ptr,
+                        miss_rank_ptr,
+                        victims_ptr,
+                        cand_ptr,
+                        seg_ptr,
+                        ctl_ptr,
+                        k_free,
+                        V,
+                    )
+                    flags = tl.load(flags_ptr + pos, mask=inb, other=0)
+                    appended = ((flags & K.F_FIRST) != 0) & (slot >= 0)
+                    q_off = tl.load(off + K.O_QUEUE)
+                    q_pos = (q_off + tl.cumsum(appended.to(tl.int64), axis=0) - 1) % Qcap
+                    version = tl.load(ver_ptr + slot, mask=appended, other=0) + 1
+                    tl.store(ver_ptr + slot, version, mask=appended)
+                    tl.store(q_slot_ptr + q_pos, slot, mask=appended)
+                    tl.store(q_ver_ptr + q_pos, version, mask=appended)
 
 
 @triton.jit
@@ -365,6 +374,10 @@ def _slot_of(
     chunk_off_ptr,
     miss_rank_ptr,
     victims_ptr,
+    cand_ptr,
+    seg_ptr,
+    ctl_ptr,
+    k_free,
     V,
 ):
     """GPU slot of each element after this call: its home (a hit), the victim slot its first
@@ -377,13 +390,14 @@ def _slot_of(
     j0 = tl.load(chunk_off_ptr + (p0 // CHUNK) * K.OFF_WORDS + K.O_MISS, mask=moved, other=0)
     j0 += tl.load(miss_rank_ptr + p0, mask=moved, other=0)
     moved_slot = moved & (j0 < V)
-    slot = tl.where(on_gpu, home, tl.load(victims_ptr + j0, mask=moved_slot, other=-1))
+    victim = victim_slot(j0, moved_slot, k_free, victims_ptr, cand_ptr, seg_ptr, ctl_ptr, CHUNK)
+    slot = tl.where(on_gpu, home, victim)
     return tl.where(on_gpu | moved_slot, slot, -1)
 
 
 @triton.jit
 def _write_homed(
-    base,
+    e0,
     T,
     G,
     flags_ptr,
@@ -397,27 +411,22 @@ def _write_homed(
     W,
     w,
     wm,
-    CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """A write's rows for entries homed before the call, stored where they live (padding rows go
-    to the dummy GPU slot ``G``, so the store needs no branch)."""
+    """A write's rows for the elements ``e0 .. e0 + ROWS`` whose entries were homed before the call,
+    stored where they live (padding rows go to the dummy GPU slot ``G``, so the store needs no branch)."""
     g_row = gpu_ptr + write_layer * gpu_layer_stride
     c_row = cpu_ptr + write_layer * cpu_layer_stride
-    n_here = tl.minimum(T - base, CHUNK)
-    for e0 in range(0, n_here, ROWS):
-        e = base + e0 + tl.arange(0, ROWS)
-        em = e < T
-        f = tl.load(flags_ptr + e, mask=em, other=0)
-        h = tl.load(home_ptr + e, mask=em, other=0)
-        to_gpu = em & (((f & K.F_GPU) != 0) | ((f & K.F_PAD) != 0))
-        to_cpu = em & ((f & K.F_CPU) != 0)
-        h = tl.where((f & K.F_PAD) != 0, G, h)
-        row = tl.load(rows_ptr + e[:, None] * W + w[None, :], mask=em[:, None] & wm[None, :], other=0)
-        tl.store(g_row + h.to(tl.int64)[:, None] * W + w[None, :], row, mask=to_gpu[:, None] & wm[None, :])
-        tl.store(
-            c_row + (h - G).to(tl.int64)[:, None] * W + w[None, :], row, mask=to_cpu[:, None] & wm[None, :]
-        )
+    e = e0 + tl.arange(0, ROWS)
+    em = e < T
+    f = tl.load(flags_ptr + e, mask=em, other=0)
+    h = tl.load(home_ptr + e, mask=em, other=0)
+    to_gpu = em & (((f & K.F_GPU) != 0) | ((f & K.F_PAD) != 0))
+    to_cpu = em & ((f & K.F_CPU) != 0)
+    h = tl.where((f & K.F_PAD) != 0, G, h)
+    row = tl.load(rows_ptr + e[:, None] * W + w[None, :], mask=em[:, None] & wm[None, :], other=0)
+    tl.store(g_row + h.to(tl.int64)[:, None] * W + w[None, :], row, mask=to_gpu[:, None] & wm[None, :])
+    tl.store(c_row + (h - G).to(tl.int64)[:, None] * W + w[None, :], row, mask=to_cpu[:, None] & wm[None, :])
 
 
 def apply(
@@ -452,7 +461,10 @@ def apply(
     # plan fetches nothing or was refused) in the pool's row unit, so a byte-row buffer compiles no
     # variant of its own for a step without misses.
     fetched = (fetched if fetched is not None else scratch.victims).view(gpu.dtype)
-    apply_kernel[(triton.cdiv(T, K.CHUNK),)](
+    rows_per_tile = ROWS
+    # A chunk's tiles: enough for its elements (a call smaller than a chunk launches fewer).
+    tiles = triton.cdiv(min(T, K.CHUNK), rows_per_tile)
+    apply_kernel[(triton.cdiv(T, K.CHUNK), tiles)](
         flat,
         T,
         st.gpu_slots,
@@ -461,6 +473,7 @@ def apply(
         scratch.counts,
         scratch.miss_pos,
         scratch.miss_rank,
+        scratch.cpu_rank,
         scratch.first_pos,
         st.ctl,
         st.mapping[g],
@@ -488,10 +501,14 @@ def apply(
         in_layers.stop - layers.start,
         fetched,
         layers.start,
+        scratch.cand,
+        scratch.seg,
+        st.gctl[g],
+        *st.pblru_args(g),
         WRITE=write,
         POLICY=st.policy,
         CHUNK=K.CHUNK,
-        ROWS=ROWS,
+        ROWS=rows_per_tile,
         WORDS=K.next_pow2(W),
         CACHE=st.CACHE,
     )
@@ -521,6 +538,7 @@ def apply_reference(
         return
     k_free, V = int(st.ctl[int(K.E_KFREE)]), int(st.ctl[int(K.E_VICTIMS)])
     push_base = int(st.ctl[int(K.E_PUSH_BASE)])
+    victim = victim_slots(scratch, st.ctl.tolist(), torch.arange(V)).tolist()
     gpu, cpu = st.gpu_data[layers.start : layers.stop], st.cpu_data[layers.start : layers.stop]
     in_layers = in_layers if in_layers is not None else layers
     local = write_layer - layers.start
@@ -531,7 +549,7 @@ def apply_reference(
         for r in range(int(scratch.counts[c, int(K.C_NEED)])):
             p = int(scratch.miss_pos[c * C + r])
             j = m_off + r
-            v = int(scratch.victims[j]) if j < V else None
+            v = victim[j] if j < V else None
             cpu_row = int(scratch.popped[j - k_free]) if j >= k_free else None
             yield p, int(flat[p]), int(scratch.home[p]), v, cpu_row
 
@@ -542,7 +560,7 @@ def apply_reference(
         if flags & int(K.F_MOVED):
             p0 = int(scratch.first_pos[pos])
             j0 = int(scratch.chunk_off[p0 // C, int(K.O_MISS)]) + int(scratch.miss_rank[p0])
-            return int(scratch.victims[j0]) if j0 < V else -1
+            return victim[j0] if j0 < V else -1
         return -1
 
     for c in range(-(-T // C)):
@@ -594,14 +612,20 @@ def apply_reference(
                     elif flags & int(K.F_CPU):
                         cpu[local, home - G] = new_rows[pos]
         if runs(K.PH_COMMIT):
+            bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
+            rnd = int(st.gctl[g, int(K.G_ROUND)])
             push = push_base + int(scratch.chunk_off[c, int(K.O_PUSH)])
             for _, a, src, v, cpu_row in misses(c):
                 st.mapping[g, a] = v if v is not None else G + cpu_row
                 if v is not None:
                     st.owner[g, v] = a
+                    if bitmaps is not None:
+                        bitmaps.place(v, rnd)
                 if src >= G:
                     st.cpu_free[g, push] = src - G
                     push += 1
+            if bitmaps is not None:
+                bitmaps.store()
             if st.policy == K.EXACT_LRU:
                 q = int(scratch.chunk_off[c, int(K.O_QUEUE)])
                 for pos in chunk:

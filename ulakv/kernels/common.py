@@ -23,7 +23,8 @@ E_PUSH_BASE = tl.constexpr(6)  # where freed CPU slots are pushed on the CPU fre
 E_DISTINCT = tl.constexpr(7)  # distinct addresses of the call in flight (counted by the claim)
 E_MAX_SELECTION = tl.constexpr(8)  # most distinct addresses a prepare may select (set at build)
 E_ARRIVED = tl.constexpr(9)  # classify programs done this call; the last one plans, then clears it
-CTL_WORDS = 10
+E_SEGMENTS = tl.constexpr(10)  # segments of the call's candidate list (victims past the free slots)
+CTL_WORDS = 11
 
 # gctl: one row per layer group.
 G_ROUND = tl.constexpr(0)  # rounds started by prepare

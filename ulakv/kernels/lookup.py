@@ -34,15 +34,17 @@ from . import buckets
 from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
-from .victims import BLOCK, victims_program, victims_reference
+from .victims import BLOCK, _ring_candidates, ring_candidates_reference, victims_program, victims_reference
 
 
 # Not specialised: T (batch size), N (capacity: a bounds check only, so pools of any size share the
 # binary); sel_ptr and map_ptr alignment (the caller's view; row g of mapping). claim_ptr and ctl_ptr
 # are whole-pool tensors, allocated once: their alignment never changes. WRITE, CHUNK: constexprs.
 # (Before: 10 claim variants in tests/test_compile_variants.py's serving loop, about 4 s each on a GPU.)
-@triton.jit(do_not_specialize=["T", "N"], do_not_specialize_on_alignment=["sel_ptr", "map_ptr"])
-def claim_kernel(sel_ptr, T, N, map_ptr, claim_ptr, ctl_ptr, WRITE: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "N", "G"], do_not_specialize_on_alignment=["sel_ptr", "map_ptr"])
+def claim_kernel(
+    sel_ptr, T, N, G, map_ptr, claim_ptr, mark_ptr, ctl_ptr, WRITE: tl.constexpr, CHUNK: tl.constexpr
+):
     pid = tl.program_id(0)
     pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     inb = pos < T
@@ -52,6 +54,8 @@ def claim_kernel(sel_ptr, T, N, map_ptr, claim_ptr, ctl_ptr, WRITE: tl.constexpr
     ok = inb & in_range & (home != K.M_FREE)
     bad = inb & (a != -1) & ~ok
     epoch = tl.load(ctl_ptr + K.E_EPOCH)
+    # Protect the call's hits from eviction before any classify program looks for victims.
+    tl.store(mark_ptr + home, epoch, mask=ok & (home >= 0) & (home < G))
     key = (epoch << 32) | (K.POS_MASK - pos)
     previous = tl.atomic_max(claim_ptr + a, key, mask=ok)
     arrived_first = ok & ((previous >> 32) != epoch)
@@ -108,6 +112,7 @@ def classify_kernel(
     counts_ptr,
     miss_pos_ptr,
     miss_rank_ptr,
+    cpu_rank_ptr,
     first_pos_ptr,
     gctl_ptr,
     bits_ptr,
@@ -127,6 +132,8 @@ def classify_kernel(
     cpu_free_ptr,
     victims_ptr,
     popped_ptr,
+    cand_ptr,
+    seg_ptr,
     chunk_off_ptr,
     group_row_bytes,
     layer_row_bytes,
@@ -158,7 +165,6 @@ def classify_kernel(
         moved = ok & ~on_gpu
     need = first & moved
     hit = first & on_gpu
-    tl.store(mark_ptr + home, epoch, mask=hit)
     if POLICY == K.PBLRU:
         # Hits join the current round's bucket now, so the victim search never meets them. The
         # claim already settled the status, so a call that will be refused touches nothing.
@@ -182,11 +188,44 @@ def classify_kernel(
     rank = tl.cumsum(need.to(tl.int32), axis=0) - 1
     tl.store(miss_pos_ptr + pid.to(tl.int64) * CHUNK + rank, pos.to(tl.int32), mask=need)
     tl.store(miss_rank_ptr + pos, rank, mask=need)
+    from_cpu = need & on_cpu  # frees its CPU row at commit: its rank places the push
+    tl.store(cpu_rank_ptr + pos, tl.cumsum(from_cpu.to(tl.int32), axis=0) - 1, mask=from_cpu)
     row = counts_ptr + pid * K.COUNT_WORDS
     tl.store(row + K.C_HITS, tl.sum(hit.to(tl.int32), axis=0))
     tl.store(row + K.C_NEED, tl.sum(need.to(tl.int32), axis=0))
     tl.store(row + K.C_NEED_CPU, tl.sum((need & on_cpu).to(tl.int32), axis=0))
     tl.store(row + K.C_CPU_FIRST, tl.sum((first & on_cpu).to(tl.int32), axis=0))
+
+    # -- the tops of the free stacks, this program's share ---------------------------------------
+    # A call pops at most T GPU slots and T CPU rows (one per miss), so the programs copy the top T
+    # entries of each stack, CHUNK each, before the plan knows how many it takes: a copy the size of
+    # the selection instead of a loop over every pop in the planning program. Apply reads the pops
+    # here while commit pushes freed CPU rows over the same stack positions.
+    j = pos
+    n_free = tl.load(gctl_ptr + K.G_GPU_FREE)
+    gm = inb & (j < n_free)
+    tl.store(victims_ptr + j, tl.load(gpu_free_ptr + (n_free - 1 - j), mask=gm, other=0), mask=gm)
+    if not CACHE:  # a buffer drops its victims: no CPU rows
+        top = tl.load(gctl_ptr + K.G_CPU_FREE)
+        cm = inb & (j < top)
+        tl.store(popped_ptr + j, tl.load(cpu_free_ptr + (top - 1 - j), mask=cm, other=0), mask=cm)
+
+    if POLICY == K.EXACT_LRU:
+        # -- candidates: this program's segment of the LRU ring ---------------------------------
+        # Victims past the free slots are the oldest live, unprotected ring pairs. Program p lists
+        # those among ring positions head + p * CHUNK .. + CHUNK (the hits' marks are all in since
+        # the claim); the planning program only sums the lists and finds where the victims end.
+        head = tl.load(gctl_ptr + K.G_HEAD)
+        if WRITE:
+            limit = tl.load(gctl_ptr + K.G_ROUND_TAIL)  # a write never evicts this round's entries
+        else:
+            limit = tl.load(gctl_ptr + K.G_TAIL)  # a prepare starts a round: everything before is older
+        eligible, s = _ring_candidates(
+            head + pos, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
+        )
+        cand_rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
+        tl.store(cand_ptr + pid.to(tl.int64) * CHUNK + cand_rank, s, mask=eligible)
+        tl.store(seg_ptr + pid + 1, tl.sum(eligible.to(tl.int64), axis=0))
 
     # -- the last program to arrive plans the call --------------------------------------------------
     P = tl.num_programs(0)
@@ -215,6 +254,8 @@ def classify_kernel(
             cpu_free_ptr,
             victims_ptr,
             popped_ptr,
+            cand_ptr,
+            seg_ptr,
             chunk_off_ptr,
             group_row_bytes,
             layer_row_bytes,
@@ -242,7 +283,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
     grid = (triton.cdiv(T, K.CHUNK),)
     mapping, claim, mark, ctl, gpu_slots = st.mapping[g], st.claim, st.mark, st.ctl, st.gpu_slots
     N = mapping.numel()
-    claim_kernel[grid](sel, T, N, mapping, claim, ctl, WRITE=write, CHUNK=K.CHUNK)
+    claim_kernel[grid](sel, T, N, gpu_slots, mapping, claim, mark, ctl, WRITE=write, CHUNK=K.CHUNK)
     classify_kernel[grid](
         sel,
         T,
@@ -257,6 +298,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         scratch.counts,
         scratch.miss_pos,
         scratch.miss_rank,
+        scratch.cpu_rank,
         scratch.first_pos,
         st.gctl[g],
         *st.pblru_args(g),
@@ -269,6 +311,8 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         st.cpu_free[g],
         scratch.victims,
         scratch.popped,
+        scratch.cand,
+        scratch.seg,
         scratch.chunk_off,
         group_row_bytes,
         layer_row_bytes,
@@ -305,6 +349,8 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
         if not (0 <= a < N) or homes[a] == int(K.M_FREE):
             status |= int(K.ST_BAD_ADDRESS)
             continue
+        if 0 <= homes[a] < G:
+            mark[homes[a]] = epoch
         if a in first_pos and write:
             status |= int(K.ST_DUPLICATE)
         first_pos.setdefault(a, pos)
@@ -321,8 +367,6 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
             on_cpu = ok and home >= G
             moved = ok and (home == int(K.M_UNHOMED) if write else not on_gpu)
             need = first and moved
-            if first and on_gpu:
-                mark[home] = epoch
             flags = (
                 int(first) * int(K.F_FIRST)
                 + int(on_gpu) * int(K.F_GPU)
@@ -338,11 +382,28 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
             if need:
                 scratch.miss_pos[chunk * C + counts[int(K.C_NEED)]] = pos
                 scratch.miss_rank[pos] = counts[int(K.C_NEED)]
+            if need and on_cpu:
+                scratch.cpu_rank[pos] = counts[int(K.C_NEED_CPU)]
             counts[int(K.C_HITS)] += first and on_gpu
             counts[int(K.C_NEED)] += need
             counts[int(K.C_NEED_CPU)] += need and on_cpu
             counts[int(K.C_CPU_FIRST)] += first and on_cpu
         scratch.counts[chunk] = torch.tensor(counts, dtype=scratch.counts.dtype)
+    # The tops of the free stacks, copied for the plan (at most one pop per element).
+    n_free, top = int(st.gctl[g, int(K.G_GPU_FREE)]), int(st.gctl[g, int(K.G_CPU_FREE)])
+    k = min(T, n_free)
+    scratch.victims[:k] = st.gpu_free[g, :n_free].flip(0)[:k]
+    if not st.CACHE:
+        k = min(T, top)
+        scratch.popped[:k] = st.cpu_free[g, :top].flip(0)[:k]
+    if st.policy == K.EXACT_LRU:
+        gctl = st.gctl[g]
+        head = int(gctl[int(K.G_HEAD)])
+        limit = int(gctl[int(K.G_ROUND_TAIL)] if write else gctl[int(K.G_TAIL)])
+        for chunk in range(-(-T // C)):
+            slots = ring_candidates_reference(st, g, head + chunk * C, min(limit, head + (chunk + 1) * C))
+            scratch.cand[chunk * C : chunk * C + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+            scratch.seg[chunk + 1] = len(slots)
     ctl[int(K.E_STATUS)] |= status
     go = status == 0 and (write or int(ctl[int(K.E_DISTINCT)]) <= int(ctl[int(K.E_MAX_SELECTION)]))
     if st.policy == K.PBLRU and go:

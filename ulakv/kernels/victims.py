@@ -33,6 +33,71 @@ BLOCK = 1024
 
 
 @triton.jit
+def _ring_candidates(qi, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch):
+    """Which ring positions ``qi`` (below ``limit``) hold a live pair of an unprotected slot: an
+    eviction candidate. Returns (candidate mask, slot)."""
+    qm = qi < limit
+    s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
+    qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
+    live = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
+    return live & (tl.load(mark_ptr + s, mask=qm, other=0) != epoch), s
+
+
+def ring_candidates_reference(st, g: int, lo: int, hi: int) -> list[int]:
+    """Plain-Python twin of ``_ring_candidates`` over ring positions ``lo .. hi``: the slots listed."""
+    Qcap, epoch = st.q_slot.shape[1], int(st.ctl[int(K.E_EPOCH)])
+    out = []
+    for qi in range(lo, hi):
+        s = int(st.q_slot[g, qi % Qcap])
+        if int(st.q_ver[g, qi % Qcap]) == int(st.ver[g, s]) and int(st.mark[s]) != epoch:
+            out.append(s)
+    return out
+
+
+@triton.jit
+def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, ctl_ptr, CHUNK: tl.constexpr):
+    """GPU slot of victim ``j`` (a miss's index in the call's miss order): the free-stack copy for
+    ``j < k_free``, else candidate ``j - k_free`` of the segmented list (segment ``s`` holds
+    candidates ``seg[s] .. seg[s + 1]`` at ``cand[s * CHUNK ..]``), found by a binary search over the
+    segment starts: ceil(log2(segments)) loads (9 at batch 64 x 3 x 2048), whatever the misses."""
+    free = mask & (j < k_free)
+    taken = mask & (j >= k_free)
+    r = (j - k_free).to(tl.int64)
+    base = tl.zeros_like(r)
+    size = tl.load(ctl_ptr + K.E_SEGMENTS)
+    while size > 1:
+        half = size // 2
+        below = tl.load(seg_ptr + base + half, mask=taken, other=0) <= r
+        base = tl.where(below, base + half, base)
+        size -= half
+    start = tl.load(seg_ptr + base, mask=taken, other=0)
+    from_list = tl.load(cand_ptr + base * CHUNK + (r - start), mask=taken, other=0)
+    return tl.where(free, tl.load(victims_ptr + j, mask=free, other=0), from_list)
+
+
+def victim_location(scratch, ctl: list[int], j: int) -> tuple[torch.Tensor, int]:
+    """The scratch tensor and index that hold victim ``j``'s slot (for tests that plant a victim)."""
+    if j < ctl[int(K.E_KFREE)]:
+        return scratch.victims, j
+    r = j - ctl[int(K.E_KFREE)]
+    starts = scratch.seg[: ctl[int(K.E_SEGMENTS)]].tolist()
+    s = max(i for i, start in enumerate(starts) if start <= r)
+    return scratch.cand, s * K.CHUNK + r - starts[s]
+
+
+def victim_slots(scratch, ctl: list[int], j: torch.Tensor) -> torch.Tensor:
+    """Host twin of ``victim_slot`` for victim indices ``j`` (int64, CPU): their GPU slots."""
+    k_free, segments = ctl[int(K.E_KFREE)], ctl[int(K.E_SEGMENTS)]
+    free = scratch.victims.cpu().to(torch.int64)[j.clamp(max=scratch.victims.numel() - 1)]
+    starts = scratch.seg[:segments].cpu()
+    r = (j - k_free).clamp(min=0)
+    s = torch.searchsorted(starts, r, right=True) - 1
+    cand = scratch.cand.cpu().to(torch.int64)
+    listed = cand[(s * K.CHUNK + r - starts[s]).clamp(min=0, max=cand.numel() - 1)]
+    return torch.where(j < k_free, free, listed)
+
+
+@triton.jit
 def victims_program(
     home_ptr,
     counts_ptr,
@@ -53,6 +118,8 @@ def victims_program(
     cpu_free_ptr,
     victims_ptr,
     popped_ptr,
+    cand_ptr,
+    seg_ptr,
     chunk_off_ptr,
     group_row_bytes,
     layer_row_bytes,
@@ -101,39 +168,62 @@ def victims_program(
             rnd += 1
             tl.store(gctl_ptr + K.G_ROUND, rnd)
 
-        # -- victims: free GPU slots first -------------------------------------------------------
+        # -- victims: free GPU slots first (every classify program copied its share of the stack's
+        # top into the victim list) ---------------------------------------------------------------
         n_free = tl.load(gctl_ptr + K.G_GPU_FREE)
         k_free = tl.minimum(M, n_free)
-        for j0 in range(0, k_free, BLOCK):
-            j = j0 + ar
-            jm = j < k_free
-            slot = tl.load(gpu_free_ptr + (n_free - 1 - j), mask=jm, other=0)
-            tl.store(victims_ptr + j, slot, mask=jm)
         n_free = n_free - k_free
 
         want = M - k_free
         got = tl.zeros((), dtype=tl.int64)
         scanned = tl.zeros((), dtype=tl.int64)
         round_reads = tl.zeros((), dtype=tl.int64)
+        segments = tl.full((), 1, tl.int64)
+        tl.store(seg_ptr, tl.zeros((), tl.int64))
         if POLICY == K.EXACT_LRU:
-            # -- then the oldest unprotected entries of the LRU queue ---------------------------
-            while (got < want) & (head < round_tail):
-                qi = head + ar
-                qm = qi < round_tail
-                s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
-                qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
-                live = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
-                take = live & (tl.load(mark_ptr + s, mask=qm, other=0) != epoch)
-                rank = tl.cumsum(take.to(tl.int64), axis=0)
-                take = take & (rank <= want - got)
-                tl.store(victims_ptr + k_free + got + rank - 1, s, mask=take)
-                n_take = tl.sum(take.to(tl.int64), axis=0)
-                last = tl.max(tl.where(take, qi, -1), axis=0)
-                done = got + n_take >= want
-                new_head = tl.where(done, last + 1, tl.minimum(head + BLOCK, round_tail))
-                scanned += new_head - head
-                head = new_head
-                got += n_take
+            # -- then the oldest unprotected pairs of the LRU ring, listed by the classify programs
+            # segment by segment: running totals of the lists, then where the victims end ------
+            run = tl.zeros((), dtype=tl.int64)
+            for c0 in range(0, P, BLOCK):
+                c = c0 + ar
+                cm = c < P
+                count = tl.load(seg_ptr + 1 + c, mask=cm, other=0)
+                tl.store(seg_ptr + 1 + c, run + tl.cumsum(count, axis=0), mask=cm)
+                run += tl.sum(count, axis=0)
+            segments = P.to(tl.int64)
+            # Rarely (stale or protected pairs crowd the ring's head) the lists fall short: list more
+            # segments here, one after another.
+            while (run < want) & (head + segments * CHUNK < round_tail):
+                qi = head + segments * CHUNK + tl.arange(0, CHUNK)
+                eligible, s = _ring_candidates(
+                    qi, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
+                )
+                rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
+                tl.store(cand_ptr + segments * CHUNK + rank, s, mask=eligible)
+                run += tl.sum(eligible.to(tl.int64), axis=0)
+                tl.store(seg_ptr + segments + 1, run)
+                segments += 1
+            got = tl.minimum(run, want)
+            new_head = head
+            if want > 0:
+                new_head = round_tail
+                if run >= want:
+                    # The segment of the last victim: the first whose running total reaches want.
+                    last_seg = segments
+                    for c0 in range(0, segments.to(tl.int32), BLOCK):
+                        c = c0 + ar
+                        total = tl.load(seg_ptr + 1 + c, mask=c < segments, other=0)
+                        last_seg = tl.minimum(
+                            last_seg, tl.min(tl.where((c < segments) & (total >= want), c, segments), axis=0)
+                        )
+                    qi = head + last_seg * CHUNK + tl.arange(0, CHUNK)
+                    eligible, s = _ring_candidates(
+                        qi, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
+                    )
+                    rank = tl.load(seg_ptr + last_seg) + tl.cumsum(eligible.to(tl.int64), axis=0)
+                    new_head = tl.max(tl.where(eligible & (rank == want), qi, -1), axis=0) + 1
+            scanned = new_head - head
+            head = new_head
         else:
             # -- then PB-LRU's buckets: cold, then the ring oldest first, never the current one --
             for i in range(0, R):
@@ -147,20 +237,15 @@ def victims_program(
                         want - got,
                         frontier_ptr,
                         frontier_size,
-                        victims_ptr + k_free + got,
+                        cand_ptr + got,
                         BLOCK,
                     )
                     got += n_got
                     scanned += reads
+            tl.store(seg_ptr + 1, got)  # one segment
         V = k_free + got
         if POLICY == K.PBLRU:
-            # Every slot that receives an entry now belongs to the current round.
-            tl.debug_barrier()
-            for j0 in range(0, V, BLOCK):
-                j = j0 + ar
-                jm = j < V
-                slot = tl.load(victims_ptr + j, mask=jm, other=0)
-                buckets.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, rnd, slot, jm)
+            # (Every slot that receives an entry joins the current round's bucket at commit.)
             if not WRITE:
                 tl.debug_barrier()
                 round_reads = buckets.retire_bucket(
@@ -216,16 +301,12 @@ def victims_program(
 
         # -- CPU rows: every miss past the free GPU slots pops one (for the entry it evicts, or for
         # itself when a write finds no slot); every miss that came from the CPU frees its row, after
-        # its mapping moved. The pops are handed to apply through scratch, so the pushes can reuse
-        # the popped region of the stack without racing its readers.
+        # its mapping moved. The classify programs copied the stack's top to scratch, so the pushes
+        # can reuse the popped region of the stack without racing apply's readers of the pops.
         pops = M - k_free
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
         top = tl.load(gctl_ptr + K.G_CPU_FREE)
-        for r0 in range(0, pops, BLOCK):
-            rr = r0 + ar
-            rm = rr < pops
-            tl.store(popped_ptr + rr, tl.load(cpu_free_ptr + (top - 1 - rr), mask=rm, other=0), mask=rm)
 
         tl.store(gctl_ptr + K.G_HEAD, head)
         tl.store(gctl_ptr + K.G_TAIL, q_run)
@@ -234,6 +315,7 @@ def victims_program(
         tl.store(gctl_ptr + K.G_CPU_FREE, top - pops + push_run)
         tl.store(ctl_ptr + K.E_KFREE, k_free)
         tl.store(ctl_ptr + K.E_VICTIMS, V)
+        tl.store(ctl_ptr + K.E_SEGMENTS, segments)
         tl.store(ctl_ptr + K.E_PUSH_BASE, top - pops)
 
         evicted = V - k_free
@@ -310,6 +392,8 @@ def victims_reference(
         n_free -= k_free
         scanned, round_reads = 0, 0
         bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
+        scratch.seg[0] = 0
+        segments = 1
         if bitmaps is None:
             scanned_from = head
             while len(victims) < M and head < round_tail:
@@ -319,6 +403,22 @@ def victims_reference(
                     victims.append(s)
                 head += 1
             scanned = head - scanned_from
+            # The candidate lists the kernel reads the victims from: the classify's P segments of the
+            # ring, as running totals, and more segments while they fall short.
+            run = 0
+            for c in range(P):
+                run += int(scratch.seg[c + 1])
+                scratch.seg[c + 1] = run
+            segments = P
+            while run < M - k_free and scanned_from + segments * C < round_tail:
+                lo = scanned_from + segments * C
+                slots = ring_candidates_reference(st, g, lo, min(round_tail, lo + C))
+                scratch.cand[segments * C : segments * C + len(slots)] = torch.tensor(
+                    slots, dtype=torch.int32
+                )
+                run += len(slots)
+                scratch.seg[segments + 1] = run
+                segments += 1
         else:
             rnd = int(gctl[int(K.G_ROUND)])
             for i in range(bitmaps.R):
@@ -327,13 +427,13 @@ def victims_reference(
                     got, reads = bitmaps.take(bucket, M - len(victims))
                     victims += got
                     scanned += reads
-            for slot in victims:
-                bitmaps.place(slot, rnd)
             if not write:
                 round_reads = bitmaps.retire(rnd)
             bitmaps.store()
+            taken = victims[k_free:]
+            scratch.cand[: len(taken)] = torch.tensor(taken, dtype=torch.int32)
+            scratch.seg[1] = len(taken)
         V = len(victims)
-        scratch.victims[:V] = torch.tensor(victims, dtype=torch.int32)
         if bitmaps is None and tail + H + V - head > Qcap:
             kept = [
                 (int(st.q_slot[g, i % Qcap]), int(st.q_ver[g, i % Qcap]), i)
@@ -354,10 +454,8 @@ def victims_reference(
             q_run += hits + max(0, min(V - j, need))
             push_run += counts[c][int(K.C_NEED_CPU)]
             j += need
-        pops = 0 if st.CACHE else M - k_free
+        pops = 0 if st.CACHE else M - k_free  # copied to scratch.popped by the classify
         top = int(gctl[int(K.G_CPU_FREE)])
-        for r in range(pops):
-            scratch.popped[r] = st.cpu_free[g, top - 1 - r]
         gctl[int(K.G_HEAD)] = head
         gctl[int(K.G_TAIL)] = q_run
         gctl[int(K.G_ROUND_TAIL)] = round_tail
@@ -365,6 +463,7 @@ def victims_reference(
         gctl[int(K.G_CPU_FREE)] = top - pops + push_run
         ctl[int(K.E_KFREE)] = k_free
         ctl[int(K.E_VICTIMS)] = V
+        ctl[int(K.E_SEGMENTS)] = segments
         ctl[int(K.E_PUSH_BASE)] = top - pops
         evicted = V - k_free
         if write:

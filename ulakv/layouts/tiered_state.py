@@ -228,26 +228,35 @@ class CallScratch(_Tensors):
     flags: torch.Tensor  # int8 [cap]: F_* bits
     first_pos: torch.Tensor  # int32 [cap]: position of the address's first occurrence
     miss_rank: torch.Tensor  # int32 [cap]: rank of a miss within its chunk
+    cpu_rank: torch.Tensor  # int32 [cap]: rank of a miss from the CPU among its chunk's such misses
     miss_pos: torch.Tensor  # int32 [chunks * CHUNK]: each chunk's misses, in order
     counts: torch.Tensor  # int32 [chunks, COUNT_WORDS]
     chunk_off: torch.Tensor  # int64 [chunks, OFF_WORDS]: miss, queue and CPU-push offsets
-    victims: torch.Tensor  # int32 [cap]: GPU slot of each miss, in miss order
-    popped: torch.Tensor  # int32 [cap]: CPU slots popped for this call
+    victims: torch.Tensor  # int32 [cap]: the top of the free GPU-slot stack (the first victims)
+    popped: torch.Tensor  # int32 [cap]: the top of the free CPU-row stack (the rows popped)
+    cand: torch.Tensor  # int32 [segments * CHUNK]: eviction candidates, CHUNK-long segments
+    seg: torch.Tensor  # int64 [segments + 1]: candidates before each segment (see kernels.victims)
 
     @classmethod
-    def allocate(cls, capacity: int, device: torch.device) -> CallScratch:
+    def allocate(cls, capacity: int, device: torch.device, ring: int = 1) -> CallScratch:
+        """Scratch for ``capacity`` elements; ``ring`` is the LRU ring's length (the candidate
+        segments cover the selection's chunks or the whole ring, whichever is longer)."""
         chunks = triton.cdiv(capacity, K.CHUNK)
+        segments = max(chunks, triton.cdiv(ring, K.CHUNK))
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             home=torch.empty(capacity, **i32),
             flags=torch.empty(capacity, dtype=torch.int8, device=device),
             first_pos=torch.empty(capacity, **i32),
             miss_rank=torch.empty(capacity, **i32),
+            cpu_rank=torch.empty(capacity, **i32),
             miss_pos=torch.empty(chunks * K.CHUNK, **i32),
             counts=torch.empty((chunks, K.COUNT_WORDS), **i32),
             chunk_off=torch.empty((chunks, K.OFF_WORDS), dtype=torch.int64, device=device),
             victims=torch.empty(capacity, **i32),
             popped=torch.empty(capacity, **i32),
+            cand=torch.empty(segments * K.CHUNK, **i32),
+            seg=torch.empty(segments + 1, dtype=torch.int64, device=device),
         )
 
     @property
@@ -289,7 +298,9 @@ class TieredLayout:
         (a captured CUDA graph points at it) and a larger call gets scratch of its own."""
         if self._scratch is not None and self._scratch.capacity >= elements:
             return self._scratch
-        fresh = CallScratch.allocate(max(K.CHUNK, K.next_pow2(elements)), self.config.torch_device)
+        fresh = CallScratch.allocate(
+            max(K.CHUNK, K.next_pow2(elements)), self.config.torch_device, ring=self.state.q_slot.shape[1]
+        )
         if not self._reserved:
             self._scratch = fresh
         return fresh
