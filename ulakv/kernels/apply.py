@@ -330,8 +330,14 @@ def apply_kernel(
                 push = tl.load(ctl_ptr + K.E_PUSH_BASE) + tl.load(off + K.O_PUSH)
                 push += tl.load(cpu_rank_ptr + p, mask=pushes, other=0)
                 tl.store(cpu_free_ptr + push, src - G, mask=pushes)
-                if POLICY == K.PBLRU:  # every slot that receives an entry joins the current round
+                if POLICY == K.PBLRU:
+                    # A slot taken from a bucket leaves it (the round's end is processed: ref is
+                    # rnd + 1), and every slot that receives an entry joins the current round.
                     rnd = tl.load(gctl_ptr + K.G_ROUND)
+                    taken = has_slot & popping
+                    stamp = tl.load(stamp_ptr + v, mask=taken, other=0)
+                    bucket = tl.where(rnd + 1 - stamp < R, stamp % R, R).to(tl.int64)
+                    buckets.clear_path(bits_ptr, bucket * BW, lvl_ptr, n_levels, v, taken)
                     buckets.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, rnd, v, has_slot)
             if POLICY == K.EXACT_LRU:  # PB-LRU recorded recency in lookup and above
                 if tile == 0:
@@ -620,6 +626,8 @@ def apply_reference(
                 if v is not None:
                     st.owner[g, v] = a
                     if bitmaps is not None:
+                        if cpu_row is not None:  # taken from a bucket (not a free slot)
+                            bitmaps.clear(v, ref=rnd + 1)
                         bitmaps.place(v, rnd)
                 if src >= G:
                     st.cpu_free[g, push] = src - G

@@ -190,11 +190,13 @@ def classify_kernel(
     tl.store(miss_rank_ptr + pos, rank, mask=need)
     from_cpu = need & on_cpu  # frees its CPU row at commit: its rank places the push
     tl.store(cpu_rank_ptr + pos, tl.cumsum(from_cpu.to(tl.int32), axis=0) - 1, mask=from_cpu)
-    row = counts_ptr + pid * K.COUNT_WORDS
-    tl.store(row + K.C_HITS, tl.sum(hit.to(tl.int32), axis=0))
-    tl.store(row + K.C_NEED, tl.sum(need.to(tl.int32), axis=0))
-    tl.store(row + K.C_NEED_CPU, tl.sum((need & on_cpu).to(tl.int32), axis=0))
-    tl.store(row + K.C_CPU_FIRST, tl.sum((first & on_cpu).to(tl.int32), axis=0))
+    chunks = (T + CHUNK - 1) // CHUNK  # PB-LRU launches more programs than chunks (below)
+    if pid < chunks:
+        row = counts_ptr + pid * K.COUNT_WORDS
+        tl.store(row + K.C_HITS, tl.sum(hit.to(tl.int32), axis=0))
+        tl.store(row + K.C_NEED, tl.sum(need.to(tl.int32), axis=0))
+        tl.store(row + K.C_NEED_CPU, tl.sum((need & on_cpu).to(tl.int32), axis=0))
+        tl.store(row + K.C_CPU_FIRST, tl.sum((first & on_cpu).to(tl.int32), axis=0))
 
     # -- the tops of the free stacks, this program's share ---------------------------------------
     # A call pops at most T GPU slots and T CPU rows (one per miss), so the programs copy the top T
@@ -225,7 +227,37 @@ def classify_kernel(
         )
         cand_rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
         tl.store(cand_ptr + pid.to(tl.int64) * CHUNK + cand_rank, s, mask=eligible)
-        tl.store(seg_ptr + pid + 1, tl.sum(eligible.to(tl.int64), axis=0))
+        tl.store(seg_ptr + 2 * pid + 1, pid.to(tl.int64) * CHUNK)  # where the list starts in cand
+        tl.store(seg_ptr + 2 * pid + 2, tl.sum(eligible.to(tl.int64), axis=0))  # its length
+    else:
+        # -- candidates: this program's ranges of CHUNK slots, in every bucket a victim may come from
+        # Victims past the free slots are the cold bucket's slots, then each ring bucket's oldest
+        # first, lower slots first, never the current round's; never a hit of this call (marked
+        # by the claim: a hit's touch below may not have left its old bucket yet). Segment
+        # (bucket order i, range q) is listed at cand[q * CHUNK + (range q's candidates in buckets
+        # before i)]: a range holds at most CHUNK slots whatever their buckets.
+        if WRITE:
+            cur = tl.load(gctl_ptr + K.G_ROUND)
+        else:
+            cur = tl.load(gctl_ptr + K.G_ROUND) + 1
+        ranges = (G + CHUNK - 1) // CHUNK
+        for q in range(pid, ranges, tl.num_programs(0)):
+            at = (tl.zeros((), tl.int64) + q) * CHUNK  # the range's first slot, and its list in cand
+            slot = at + tl.arange(0, CHUNK)
+            valid = slot < G
+            listed = tl.zeros((), dtype=tl.int64)
+            for i in range(0, R):
+                bucket = tl.where(i == 0, R, (cur + i) % R).to(tl.int64)
+                word = tl.load(bits_ptr + bucket * BW + slot // 32, mask=valid, other=0)
+                held = valid & (((word >> (slot % 32).to(tl.int32)) & 1) != 0)
+                eligible = held & (tl.load(mark_ptr + slot, mask=held, other=0) != epoch)
+                list_rank = tl.cumsum(eligible.to(tl.int64), axis=0) - 1
+                tl.store(cand_ptr + at + listed + list_rank, slot.to(tl.int32), mask=eligible)
+                k = (tl.zeros((), tl.int64) + i) * ranges + q  # candidate order: bucket by bucket
+                tl.store(seg_ptr + 2 * k + 1, at + listed)
+                n = tl.sum(eligible.to(tl.int64), axis=0)
+                tl.store(seg_ptr + 2 * k + 2, n)
+                listed += n
 
     # -- the last program to arrive plans the call --------------------------------------------------
     P = tl.num_programs(0)
@@ -238,7 +270,7 @@ def classify_kernel(
             home_ptr,
             counts_ptr,
             miss_pos_ptr,
-            P,
+            chunks,
             G,
             N,
             ctl_ptr,
@@ -284,7 +316,11 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
     mapping, claim, mark, ctl, gpu_slots = st.mapping[g], st.claim, st.mark, st.ctl, st.gpu_slots
     N = mapping.numel()
     claim_kernel[grid](sel, T, N, gpu_slots, mapping, claim, mark, ctl, WRITE=write, CHUNK=K.CHUNK)
-    classify_kernel[grid](
+    # PB-LRU: a program for each range of CHUNK slots at least, so none lists more than one range.
+    programs = triton.cdiv(T, K.CHUNK)
+    if st.policy == K.PBLRU:
+        programs = max(programs, triton.cdiv(gpu_slots, K.CHUNK))
+    classify_kernel[(programs,)](
         sel,
         T,
         N,
@@ -403,7 +439,24 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
         for chunk in range(-(-T // C)):
             slots = ring_candidates_reference(st, g, head + chunk * C, min(limit, head + (chunk + 1) * C))
             scratch.cand[chunk * C : chunk * C + len(slots)] = torch.tensor(slots, dtype=torch.int32)
-            scratch.seg[chunk + 1] = len(slots)
+            scratch.seg[2 * chunk + 1] = chunk * C
+            scratch.seg[2 * chunk + 2] = len(slots)
+    else:
+        bitmaps = PBLRUBits(st, g)
+        cur = int(st.gctl[g, int(K.G_ROUND)]) + (0 if write else 1)
+        ranges = -(-G // C)
+        for q in range(ranges):
+            listed = 0
+            for i in range(bitmaps.R):
+                bucket = bitmaps.R if i == 0 else (cur + i) % bitmaps.R
+                held = sorted(s for s in bitmaps.sets[bucket] if q * C <= s < (q + 1) * C)
+                slots = [s for s in held if int(mark[s]) != epoch]
+                k = i * ranges + q
+                at = q * C + listed
+                scratch.cand[at : at + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+                scratch.seg[2 * k + 1] = at
+                scratch.seg[2 * k + 2] = len(slots)
+                listed += len(slots)
     ctl[int(K.E_STATUS)] |= status
     go = status == 0 and (write or int(ctl[int(K.E_DISTINCT)]) <= int(ctl[int(K.E_MAX_SELECTION)]))
     if st.policy == K.PBLRU and go:

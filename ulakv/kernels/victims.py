@@ -58,8 +58,9 @@ def ring_candidates_reference(st, g: int, lo: int, hi: int) -> list[int]:
 def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, ctl_ptr, CHUNK: tl.constexpr):
     """GPU slot of victim ``j`` (a miss's index in the call's miss order): the free-stack copy for
     ``j < k_free``, else candidate ``j - k_free`` of the segmented list (segment ``s`` holds
-    candidates ``seg[s] .. seg[s + 1]`` at ``cand[s * CHUNK ..]``), found by a binary search over the
-    segment starts: ceil(log2(segments)) loads (9 at batch 64 x 3 x 2048), whatever the misses."""
+    candidates ``seg[2s] .. seg[2s + 2]``, listed from ``cand[seg[2s + 1]]`` on), found by a binary
+    search over the segment starts: ceil(log2(segments)) loads (9 at batch 64 x 3 x 2048 under exact
+    LRU), whatever the misses."""
     free = mask & (j < k_free)
     taken = mask & (j >= k_free)
     r = (j - k_free).to(tl.int64)
@@ -67,11 +68,12 @@ def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, ctl_ptr, CHUNK:
     size = tl.load(ctl_ptr + K.E_SEGMENTS)
     while size > 1:
         half = size // 2
-        below = tl.load(seg_ptr + base + half, mask=taken, other=0) <= r
+        below = tl.load(seg_ptr + 2 * (base + half), mask=taken, other=0) <= r
         base = tl.where(below, base + half, base)
         size -= half
-    start = tl.load(seg_ptr + base, mask=taken, other=0)
-    from_list = tl.load(cand_ptr + base * CHUNK + (r - start), mask=taken, other=0)
+    start = tl.load(seg_ptr + 2 * base, mask=taken, other=0)
+    at = tl.load(seg_ptr + 2 * base + 1, mask=taken, other=0)
+    from_list = tl.load(cand_ptr + at + (r - start), mask=taken, other=0)
     return tl.where(free, tl.load(victims_ptr + j, mask=free, other=0), from_list)
 
 
@@ -80,20 +82,21 @@ def victim_location(scratch, ctl: list[int], j: int) -> tuple[torch.Tensor, int]
     if j < ctl[int(K.E_KFREE)]:
         return scratch.victims, j
     r = j - ctl[int(K.E_KFREE)]
-    starts = scratch.seg[: ctl[int(K.E_SEGMENTS)]].tolist()
-    s = max(i for i, start in enumerate(starts) if start <= r)
-    return scratch.cand, s * K.CHUNK + r - starts[s]
+    seg = scratch.seg[: 2 * ctl[int(K.E_SEGMENTS)]].tolist()
+    s = max(i for i, start in enumerate(seg[0::2]) if start <= r)
+    return scratch.cand, seg[2 * s + 1] + r - seg[2 * s]
 
 
 def victim_slots(scratch, ctl: list[int], j: torch.Tensor) -> torch.Tensor:
     """Host twin of ``victim_slot`` for victim indices ``j`` (int64, CPU): their GPU slots."""
     k_free, segments = ctl[int(K.E_KFREE)], ctl[int(K.E_SEGMENTS)]
     free = scratch.victims.cpu().to(torch.int64)[j.clamp(max=scratch.victims.numel() - 1)]
-    starts = scratch.seg[:segments].cpu()
+    seg = scratch.seg.cpu()
+    starts, at = seg[0 : 2 * segments : 2].contiguous(), seg[1 : 2 * segments : 2]
     r = (j - k_free).clamp(min=0)
     s = torch.searchsorted(starts, r, right=True) - 1
     cand = scratch.cand.cpu().to(torch.int64)
-    listed = cand[(s * K.CHUNK + r - starts[s]).clamp(min=0, max=cand.numel() - 1)]
+    listed = cand[(at[s] + r - starts[s]).clamp(min=0, max=cand.numel() - 1)]
     return torch.where(j < k_free, free, listed)
 
 
@@ -178,19 +181,21 @@ def victims_program(
         got = tl.zeros((), dtype=tl.int64)
         scanned = tl.zeros((), dtype=tl.int64)
         round_reads = tl.zeros((), dtype=tl.int64)
-        segments = tl.full((), 1, tl.int64)
-        tl.store(seg_ptr, tl.zeros((), tl.int64))
+        # -- then the policy's candidates, listed segment by segment by the classify programs:
+        # running totals of the lists' lengths (seg[2s] = candidates before segment s) ------------
         if POLICY == K.EXACT_LRU:
-            # -- then the oldest unprotected pairs of the LRU ring, listed by the classify programs
-            # segment by segment: running totals of the lists, then where the victims end ------
-            run = tl.zeros((), dtype=tl.int64)
-            for c0 in range(0, P, BLOCK):
-                c = c0 + ar
-                cm = c < P
-                count = tl.load(seg_ptr + 1 + c, mask=cm, other=0)
-                tl.store(seg_ptr + 1 + c, run + tl.cumsum(count, axis=0), mask=cm)
-                run += tl.sum(count, axis=0)
-            segments = P.to(tl.int64)
+            segments = P.to(tl.int64)  # one segment of the ring a program
+        else:
+            segments = (R * ((G + CHUNK - 1) // CHUNK)).to(tl.int64)  # every bucket, every slot range
+        tl.store(seg_ptr, tl.zeros((), tl.int64))
+        run = tl.zeros((), dtype=tl.int64)
+        for c0 in range(0, segments.to(tl.int32), BLOCK):
+            c = c0 + ar
+            cm = c < segments
+            count = tl.load(seg_ptr + 2 * c + 2, mask=cm, other=0)
+            tl.store(seg_ptr + 2 * c + 2, run + tl.cumsum(count, axis=0), mask=cm)
+            run += tl.sum(count, axis=0)
+        if POLICY == K.EXACT_LRU:
             # Rarely (stale or protected pairs crowd the ring's head) the lists fall short: list more
             # segments here, one after another.
             while (run < want) & (head + segments * CHUNK < round_tail):
@@ -201,7 +206,8 @@ def victims_program(
                 rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
                 tl.store(cand_ptr + segments * CHUNK + rank, s, mask=eligible)
                 run += tl.sum(eligible.to(tl.int64), axis=0)
-                tl.store(seg_ptr + segments + 1, run)
+                tl.store(seg_ptr + 2 * segments + 1, segments * CHUNK)
+                tl.store(seg_ptr + 2 * segments + 2, run)
                 segments += 1
             got = tl.minimum(run, want)
             new_head = head
@@ -212,7 +218,7 @@ def victims_program(
                     last_seg = segments
                     for c0 in range(0, segments.to(tl.int32), BLOCK):
                         c = c0 + ar
-                        total = tl.load(seg_ptr + 1 + c, mask=c < segments, other=0)
+                        total = tl.load(seg_ptr + 2 * c + 2, mask=c < segments, other=0)
                         last_seg = tl.minimum(
                             last_seg, tl.min(tl.where((c < segments) & (total >= want), c, segments), axis=0)
                         )
@@ -220,29 +226,14 @@ def victims_program(
                     eligible, s = _ring_candidates(
                         qi, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
                     )
-                    rank = tl.load(seg_ptr + last_seg) + tl.cumsum(eligible.to(tl.int64), axis=0)
+                    rank = tl.load(seg_ptr + 2 * last_seg) + tl.cumsum(eligible.to(tl.int64), axis=0)
                     new_head = tl.max(tl.where(eligible & (rank == want), qi, -1), axis=0) + 1
             scanned = new_head - head
             head = new_head
         else:
-            # -- then PB-LRU's buckets: cold, then the ring oldest first, never the current one --
-            for i in range(0, R):
-                bucket = tl.where(i == 0, R, (rnd + i) % R).to(tl.int64)
-                if got < want:
-                    n_got, reads = buckets.take_victims(
-                        bits_ptr,
-                        bucket * BW,
-                        lvl_ptr,
-                        n_levels,
-                        want - got,
-                        frontier_ptr,
-                        frontier_size,
-                        cand_ptr + got,
-                        BLOCK,
-                    )
-                    got += n_got
-                    scanned += reads
-            tl.store(seg_ptr + 1, got)  # one segment
+            # PB-LRU's victims stay in their buckets until commit clears them (apply).
+            got = tl.minimum(run, want)
+            scanned = segments * (CHUNK // 32)  # leaf words the lists were made from
         V = k_free + got
         if POLICY == K.PBLRU:
             # (Every slot that receives an entry joins the current round's bucket at commit.)
@@ -392,8 +383,13 @@ def victims_reference(
         n_free -= k_free
         scanned, round_reads = 0, 0
         bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
+        # The candidate lists the classify made, as running totals (see victim_slot).
+        segments = P if bitmaps is None else bitmaps.R * -(-st.gpu_slots // C)
         scratch.seg[0] = 0
-        segments = 1
+        run = 0
+        for k in range(segments):
+            run += int(scratch.seg[2 * k + 2])
+            scratch.seg[2 * k + 2] = run
         if bitmaps is None:
             scanned_from = head
             while len(victims) < M and head < round_tail:
@@ -403,36 +399,27 @@ def victims_reference(
                     victims.append(s)
                 head += 1
             scanned = head - scanned_from
-            # The candidate lists the kernel reads the victims from: the classify's P segments of the
-            # ring, as running totals, and more segments while they fall short.
-            run = 0
-            for c in range(P):
-                run += int(scratch.seg[c + 1])
-                scratch.seg[c + 1] = run
-            segments = P
+            # ... and more segments of the ring while they fall short.
             while run < M - k_free and scanned_from + segments * C < round_tail:
                 lo = scanned_from + segments * C
                 slots = ring_candidates_reference(st, g, lo, min(round_tail, lo + C))
-                scratch.cand[segments * C : segments * C + len(slots)] = torch.tensor(
-                    slots, dtype=torch.int32
-                )
+                at = segments * C
+                scratch.cand[at : at + len(slots)] = torch.tensor(slots, dtype=torch.int32)
                 run += len(slots)
-                scratch.seg[segments + 1] = run
+                scratch.seg[2 * segments + 1] = at
+                scratch.seg[2 * segments + 2] = run
                 segments += 1
         else:
+            # Victims: cold, then the ring oldest first, lower slots first, never the current round;
+            # they leave their buckets at commit (apply).
             rnd = int(gctl[int(K.G_ROUND)])
             for i in range(bitmaps.R):
                 bucket = bitmaps.R if i == 0 else (rnd + i) % bitmaps.R
-                if len(victims) < M:
-                    got, reads = bitmaps.take(bucket, M - len(victims))
-                    victims += got
-                    scanned += reads
+                victims += sorted(bitmaps.sets[bucket])[: M - len(victims)]
+            scanned = segments * (C // 32)
             if not write:
                 round_reads = bitmaps.retire(rnd)
             bitmaps.store()
-            taken = victims[k_free:]
-            scratch.cand[: len(taken)] = torch.tensor(taken, dtype=torch.int32)
-            scratch.seg[1] = len(taken)
         V = len(victims)
         if bitmaps is None and tail + H + V - head > Qcap:
             kept = [
@@ -464,6 +451,11 @@ def victims_reference(
         ctl[int(K.E_KFREE)] = k_free
         ctl[int(K.E_VICTIMS)] = V
         ctl[int(K.E_SEGMENTS)] = segments
+        # The lists, read as the kernels read them, give the policy's victims in its order.
+        listed = victim_slots(scratch, ctl.tolist(), torch.arange(k_free, V)).tolist()
+        assert listed == victims[k_free:], (
+            f"candidate lists give {listed[:8]}, the policy {victims[k_free:8]}"
+        )
         ctl[int(K.E_PUSH_BASE)] = top - pops
         evicted = V - k_free
         if write:

@@ -234,15 +234,16 @@ class CallScratch(_Tensors):
     chunk_off: torch.Tensor  # int64 [chunks, OFF_WORDS]: miss, queue and CPU-push offsets
     victims: torch.Tensor  # int32 [cap]: the top of the free GPU-slot stack (the first victims)
     popped: torch.Tensor  # int32 [cap]: the top of the free CPU-row stack (the rows popped)
-    cand: torch.Tensor  # int32 [segments * CHUNK]: eviction candidates, CHUNK-long segments
-    seg: torch.Tensor  # int64 [segments + 1]: candidates before each segment (see kernels.victims)
+    cand: torch.Tensor  # int32 [lists * CHUNK]: eviction candidates, listed by the classify
+    seg: torch.Tensor  # int64 [2 * segments + 1]: each segment's first rank and place in cand
 
     @classmethod
-    def allocate(cls, capacity: int, device: torch.device, ring: int = 1) -> CallScratch:
-        """Scratch for ``capacity`` elements; ``ring`` is the LRU ring's length (the candidate
-        segments cover the selection's chunks or the whole ring, whichever is longer)."""
+    def allocate(cls, capacity: int, device: torch.device, lists: int = 1, segments: int = 1) -> CallScratch:
+        """Scratch for ``capacity`` elements. Eviction candidates come in ``lists`` lists of
+        ``CHUNK`` (the LRU ring's length, or the GPU slots, over ``CHUNK``) cut in ``segments``
+        segments (exact LRU: one a list; PB-LRU: one a list and bucket)."""
         chunks = triton.cdiv(capacity, K.CHUNK)
-        segments = max(chunks, triton.cdiv(ring, K.CHUNK))
+        lists, segments = max(chunks, lists), max(chunks, segments)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             home=torch.empty(capacity, **i32),
@@ -255,8 +256,8 @@ class CallScratch(_Tensors):
             chunk_off=torch.empty((chunks, K.OFF_WORDS), dtype=torch.int64, device=device),
             victims=torch.empty(capacity, **i32),
             popped=torch.empty(capacity, **i32),
-            cand=torch.empty(segments * K.CHUNK, **i32),
-            seg=torch.empty(segments + 1, dtype=torch.int64, device=device),
+            cand=torch.empty(lists * K.CHUNK, **i32),
+            seg=torch.empty(2 * segments + 1, dtype=torch.int64, device=device),
         )
 
     @property
@@ -298,8 +299,14 @@ class TieredLayout:
         (a captured CUDA graph points at it) and a larger call gets scratch of its own."""
         if self._scratch is not None and self._scratch.capacity >= elements:
             return self._scratch
+        st = self.state
+        ring_lists = triton.cdiv(st.q_slot.shape[1], K.CHUNK)  # exact LRU: the ring, CHUNK pairs a list
+        slot_lists = triton.cdiv(st.gpu_slots, K.CHUNK)  # PB-LRU: CHUNK slots a list, every bucket
         fresh = CallScratch.allocate(
-            max(K.CHUNK, K.next_pow2(elements)), self.config.torch_device, ring=self.state.q_slot.shape[1]
+            max(K.CHUNK, K.next_pow2(elements)),
+            self.config.torch_device,
+            lists=max(ring_lists, slot_lists),
+            segments=max(ring_lists, slot_lists * max(st.num_buckets, 1)),
         )
         if not self._reserved:
             self._scratch = fresh
