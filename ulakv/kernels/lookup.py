@@ -5,11 +5,15 @@ program):
 1. ``claim``: validate every address (in range, live) and claim it: ``atomic_max`` of
    ``(epoch << 32) | ~position`` into a per-address word, so the lowest position of this call wins.
    The element that finds no claim of this epoch counts one distinct address; in a write, one that
-   finds one is a duplicate. After this launch the call's status is complete: bad addresses,
-   duplicates, and whether the distinct addresses fit the GPU tier.
+   finds one is a duplicate. Every hit marks its GPU slot as protected for this call. After this
+   launch the call's status is complete (bad addresses, duplicates, and whether the distinct
+   addresses fit the GPU tier) and so are the marks.
 2. ``classify``: an element is the address's *first* occurrence when its key survived. Firsts
-   count distinct/hit/miss, mark their GPU slot as protected for this call, and list the misses of
-   their chunk in order. Duplicates (speculative query positions, layers' repeats) only read.
+   count hits and misses and list the misses of their chunk in order. Duplicates (speculative query
+   positions, layers' repeats) only read. Every program also copies its share of the free stacks'
+   tops and lists its share of the policy's eviction candidates (``ulakv.kernels.victims``): a
+   ring segment under exact LRU; under PB-LRU a range of slots in every bucket, the launch having
+   at least one program per range.
 
 3. victims (``ulakv.kernels.victims``): the last ``classify`` program to finish runs it. Each program
    ends with a barrier and an acquire-release ``atomic_add`` on an arrival counter; the program that
@@ -19,8 +23,9 @@ program):
    cross-layer split within 4. (The same release/acquire handshake PyTorch Inductor's grid barrier
    uses; Triton runs a scalar atomic once per program.)
 
-Dedup needs every claim to land before any program reads one, and no program may wait for another
-(they need not all be resident): that is the one reason this is two launches. Claims and marks are
+Dedup needs every claim to land before any program reads one, and the candidate lists every mark,
+and no program may wait for another (they need not all be resident): that is why this is two
+launches. Claims and marks are
 epoch-tagged scratch; the only pool state ``classify`` changes is a policy's recency (PB-LRU moves
 hits to the current bucket), and only when the status says the call will go through, so a refused
 call changes nothing.

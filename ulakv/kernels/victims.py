@@ -1,17 +1,33 @@
 """Victims: decide, on the device, where every miss goes and what leaves the GPU for it (the
 planning step of a call, after ``ulakv.kernels.lookup``).
 
-One program (the work is O(misses + queue entries skipped + chunks), never O(pool)): the last
-program of the lookup's ``classify`` launch to finish runs it, so planning costs no launch of its own
-(see ``ulakv.kernels.lookup``).
+The last program of the lookup's ``classify`` launch to finish runs ``victims_program``, so planning
+costs no launch of its own (see ``ulakv.kernels.lookup``). Everything that grows with the misses was
+done before it, by every classify program side by side; what it does itself grows with the number
+of chunks and candidate segments over ``BLOCK`` (one step up to a million elements), not with the
+misses. Measured by ``benchmarks/critical_path.py``: a prepare's busiest programs add up to about
+250 memory operations at batch 16 and 64 x 3 x top-2048 alike.
 
 1. Totals from the lookup's per-chunk counts; a prepare with more distinct addresses than the
    layout's ``max_selection`` (GPU slots, or staging rows) fails here, before anything changed.
-2. Victims: free GPU slots first (a stack), then the exact-LRU queue from its head. The queue holds
-   ``(slot, version)`` pairs in recency order; touching a slot bumps its version and appends it, so
-   older pairs of that slot turn stale and are skipped (lazy deletion). Slots protected in this call
-   (hits) are skipped; entries appended in the current round lie past ``round_tail`` and are never
-   reached. When stale pairs would overflow the ring it is compacted in place (amortised O(1) a touch).
+2. Victims: free GPU slots first (the top of a stack, copied by the classify programs), then the
+   policy's eviction candidates, which the classify programs listed in *segments* (``cand`` and
+   ``seg`` in the call scratch):
+
+   * exact LRU: a ring of ``(slot, version)`` pairs in recency order; touching a slot bumps its
+     version and appends it, so older pairs turn stale (lazy deletion). Program p lists the live
+     pairs of unprotected slots among ring positions ``head + p * CHUNK ..`` (``_ring_candidates``);
+     entries of the current round lie past ``round_tail`` and are never listed. Here: running
+     totals of the lists, more segments one after another in the rare case they fall short, and
+     the new head (the position of the last victim, found in its segment). When stale pairs would
+     overflow the ring it is compacted in place (amortised O(1) a touch).
+   * PB-LRU: cold, then the ring buckets oldest first, lower slots first, never the current round's
+     bucket; segment (bucket, range of CHUNK slots) is listed by the program of that range. Here:
+     running totals, and the round's end (the bucket about to be reused joins cold). Taken slots
+     leave their bucket at commit (``ulakv.kernels.apply``).
+
+   Victim ``j`` is then the ``j - k_free``-th candidate: ``victim_slot`` finds its segment by a
+   binary search over the running totals.
 3. Offsets per chunk so the apply kernel can work in parallel without atomics and still
    deterministically: where each chunk's misses start in the victim list, where its touches are
    appended to the queue, and its rank among the CPU rows freed by misses that came from the CPU.
