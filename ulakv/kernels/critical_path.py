@@ -16,9 +16,12 @@ Counting patches the interpreter's builder for the duration of the block (one bl
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ._triton import INTERPRETED
 
@@ -39,6 +42,8 @@ class Launch:
 
     kernel: str
     per_program: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    # Active lanes of read-modify-write atomics, by address: same-address contention.
+    atomic_lanes: Counter[int] = field(default_factory=Counter)
 
     @property
     def programs(self) -> int:
@@ -78,6 +83,9 @@ def count_memory_ops() -> Iterator[list[Launch]]:
             if launches:
                 counts = launches[-1].per_program
                 counts[self.grid_idx] = counts.get(self.grid_idx, 0) + 1
+                if name == "create_atomic_rmw":  # (op, ptr, val, mask, sem, scope)
+                    ptr, mask = args[1].data, args[3].data
+                    launches[-1].atomic_lanes.update(ptr[np.broadcast_to(mask, ptr.shape)].tolist())
             return op(self, *args, **kwargs)
 
         return wrapper

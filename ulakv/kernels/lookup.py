@@ -62,14 +62,16 @@ def claim_kernel(
     # Protect the call's hits from eviction before any classify program looks for victims.
     tl.store(mark_ptr + home, epoch, mask=ok & (home >= 0) & (home < G))
     key = (epoch << 32) | (K.POS_MASK - pos)
-    previous = tl.atomic_max(claim_ptr + a, key, mask=ok)
+    # Relaxed: only the read-modify-writes themselves must not be lost; the classify launch that
+    # reads claims, counts and status comes after a launch boundary.
+    previous = tl.atomic_max(claim_ptr + a, key, mask=ok, sem="relaxed")
     arrived_first = ok & ((previous >> 32) != epoch)
-    tl.atomic_add(ctl_ptr + K.E_DISTINCT, tl.sum(arrived_first.to(tl.int64), axis=0))
+    tl.atomic_add(ctl_ptr + K.E_DISTINCT, tl.sum(arrived_first.to(tl.int64), axis=0), sem="relaxed")
     if tl.sum(bad.to(tl.int32), axis=0) > 0:
-        tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_BAD_ADDRESS)
+        tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_BAD_ADDRESS, sem="relaxed")
     if WRITE:
         if tl.sum((ok & ~arrived_first).to(tl.int32), axis=0) > 0:
-            tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_DUPLICATE)
+            tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_DUPLICATE, sem="relaxed")
 
 
 # Not specialised: every int (T varies each call, group_row_bytes with the short last group, the rest
