@@ -17,7 +17,9 @@ C++ composites):
   (their ``nnz`` is data), the sparse argument validations;
 - device-to-host copies: ``_to_copy``, ``copy_``, ``_copy_from``, ``fill_`` with a device value, ...
   from a non-CPU tensor into a CPU one (``_copies_to_host``; on a GPU that is every ``.cpu()``,
-  ``.tolist()``, ``.numpy()``, ``print``; ``non_blocking`` included: the data is no use until a sync).
+  ``.tolist()``, ``.numpy()``, ``print``; ``non_blocking`` included: the data is no use until a sync),
+  but for one pattern: ``copy_`` with ``non_blocking=True`` into pinned memory, which the host reads
+  only once an event says it landed (``Event.query``, never a wait: ``ulakv.deferred``).
 
 Some host reads never reach the dispatcher, so they are guarded in Python while the block runs:
 ``Tensor.tolist`` and ``Tensor.numpy`` (no aten op on a CPU tensor: without the guard the detector
@@ -175,6 +177,8 @@ def _copies_to_host(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> b
     if name not in _COPY_OPS:
         return False
     bound = _bind(func, args, kwargs)
+    if name == "copy_" and bound.get("non_blocking") and bound["self"].is_pinned():
+        return False  # an asynchronous copy into pinned memory: no sync until someone waits for it
     return any(is_device_to_host(_device_of(s), _device_of(d)) for s, d in _copy_pairs(name, bound))
 
 

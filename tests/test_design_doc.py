@@ -429,7 +429,7 @@ def test_the_layering_check_fails_on_an_upward_import_or_a_missing_module() -> N
     lowered = _doctor(text, "| 5 | the factory | `pool.py`", "| 1 | the factory | `pool.py`")
     problems = layering_problems(lowered)
     assert any(p.startswith("ulakv.pool (layer 1) imports ulakv.layouts") for p in problems), problems
-    dropped = _doctor(text, "`transfer.py` |", "|")
+    dropped = _doctor(text, "`transfer.py`, ", "")
     assert layering_problems(dropped) == ["ulakv.transfer is not in the layering table of docs/design.md"]
 
 

@@ -9,10 +9,20 @@ import random
 
 import pytest
 import torch
-from helpers import random_rows
+from helpers import assert_same_state, random_rows
 from nosync import no_host_sync, skip_under_debug
 
-from ulakv import PBLRU, EntrySpec, ExactLRU, InvalidAddressError, InvalidInputError, Pool, PoolConfig, Tiered
+from ulakv import (
+    PBLRU,
+    CapacityError,
+    EntrySpec,
+    ExactLRU,
+    InvalidAddressError,
+    InvalidInputError,
+    Pool,
+    PoolConfig,
+    Tiered,
+)
 from ulakv.engine import SparseKV
 from ulakv.kernels._triton import count_launches
 
@@ -166,6 +176,62 @@ def test_selection_beyond_the_bounds_is_refused() -> None:
     step = kv.prepare(1, seq.addresses[:4].reshape(1, 4))
     with pytest.raises(InvalidInputError, match="not in group 1"):
         step.wait(0)
+
+
+def refused_step(kv: SparseKV, seqs, dead, how: str) -> torch.Tensor | None:
+    """One refused call through the adapter; returns the step's slots (a prepare)."""
+    live = seqs[0].addresses
+    if how == "released-address":
+        return kv.prepare(0, torch.stack([live[:3], torch.cat([live[3:5], dead[:1]])])).slots
+    if how == "too-many-distinct":  # more distinct addresses than the 16 GPU slots
+        return kv.prepare(1, torch.cat([a.addresses for a in seqs])[:18].view(2, 9)).slots
+    kv.write(4, torch.cat([live[:2], dead[1:2]]), random_rows(9, 3, WIDTH))  # "write-released-address"
+    return None
+
+
+@skip_under_debug  # without validation: ULAKV_DEBUG validates every call
+@pytest.mark.parametrize("how", ["released-address", "too-many-distinct", "write-released-address"])
+def test_a_refused_step_is_raised_by_the_next_call_without_a_sync(how: str) -> None:
+    """With validation off a refused prepare or write returns at once, changes nothing and leaves
+    -1 in every slot of its step; the next prepare or write raises its error, and the one after that
+    runs as if nothing had happened. No host sync anywhere (the status reaches the host by an
+    asynchronous copy)."""
+    pool, kv = engine(ExactLRU(), gpu=16, cpu=40, max_batch=2, top_k=9, queries=1)
+    seqs, expected = fill(pool, kv, requests=3, tokens=7, seed=3)
+    gone = pool.admit(4)
+    dead = gone.addresses.clone()
+    kv.release(gone)
+    error = CapacityError if how == "too-many-distinct" else InvalidAddressError
+    before = pool.state_dict()
+    ok = torch.stack([seqs[1].addresses[:4], seqs[2].addresses[:4]])
+    with no_host_sync():
+        slots = refused_step(kv, seqs, dead, how)
+        with pytest.raises(error, match="an earlier prepare or write"):
+            kv.prepare(0, ok)
+    if slots is not None:
+        assert (slots == -1).all(), "a refused step's slots must never name a row"
+    assert_same_state(before, pool.state_dict(), ignore=("pending",))
+    with no_host_sync():
+        step = kv.prepare(0, ok)  # raised once: the pool goes on
+    for layer in pool.group_layers(0):
+        got = pool.gpu_buffer(layer)[step.wait(layer).view(-1).long()]
+        want = torch.stack([expected[(layer, a)] for a in ok.view(-1).tolist()])
+        assert torch.equal(got, want)
+    pool.check()  # nothing left behind
+
+
+@skip_under_debug
+def test_a_refusal_is_raised_once_by_check_or_by_the_next_call() -> None:
+    pool, kv = engine(PBLRU(4), gpu=16, cpu=40, max_batch=2, top_k=9, queries=1)
+    seqs, _ = fill(pool, kv, requests=2, tokens=7, seed=4)
+    gone = pool.admit(2)
+    dead = gone.addresses.clone()
+    kv.release(gone)
+    refused_step(kv, seqs, dead, "released-address")
+    with pytest.raises(InvalidAddressError):
+        pool.check()  # synchronous: raises it now ...
+    kv.prepare(0, seqs[0].addresses[:4].view(1, 4))  # ... and the next call does not again
+    pool.check()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")

@@ -187,6 +187,7 @@ D2H: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]] = {
     "cpu()": lambda x, m, v: x.cpu(),
     "to-cpu-non_blocking": lambda x, m, v: x.to("cpu", non_blocking=True),
     "copy_-into-cpu": lambda x, m, v: torch.empty(4).copy_(x),
+    "copy_-non_blocking-into-pageable": lambda x, m, v: torch.empty(4).copy_(x, non_blocking=True),
     "cpu-fill_-device-value": lambda x, m, v: torch.empty(4).fill_(v),
     "masked_fill-device-value": lambda x, m, v: x.masked_fill(m, v),
     "item": lambda x, m, v: v.item(),
@@ -204,6 +205,18 @@ D2D: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]] = {
 def test_device_to_host_is_an_error(name: str) -> None:
     with fake_cuda() as (x, mask, value), no_host_sync(), pytest.raises(HostSyncError):
         D2H[name](x, mask, value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_a_non_blocking_copy_into_pinned_memory_passes() -> None:
+    """The one device-to-host copy that is not a sync (``ulakv.deferred``): asynchronous, into
+    pinned memory, read only once an event says it landed."""
+    x = torch.zeros(4, device="cuda")
+    pinned = torch.empty(4, pin_memory=True)
+    with no_host_sync():
+        pinned.copy_(x, non_blocking=True)
+    with no_host_sync(), pytest.raises(HostSyncError):
+        pinned.copy_(x)
 
 
 @pytest.mark.parametrize("name", list(D2D))

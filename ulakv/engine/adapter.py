@@ -17,6 +17,15 @@ a device value. On CPU (kernels under the Triton interpreter) the same calls run
 ``wait`` returns at once; ``prefetch=True`` there still splits the launches (without streams), which
 is how the tests cover the split.
 
+A refused step is never silent. With validation off (the CUDA default) a ``prepare`` that cannot
+be served (an address not live, more distinct addresses than the pool may select at once) or a
+refused ``write`` changes nothing and leaves ``-1`` in every slot of its step, which attention reads
+as padding, never as a row; its error (``InvalidAddressError``, ``CapacityError``, ...) is raised by
+a later :meth:`SparseKV.prepare` or :meth:`SparseKV.write`, the first one made once the refused
+call's status has reached the host (``ulakv.deferred``: an asynchronous copy, no sync): on CPU the
+very next call, on CUDA usually the next step's. ``pool.check()`` raises it at once (a sync).
+``tests/test_engine_adapter.py`` pins this down.
+
 Buffers are sized at construction for the largest step (``max_batch x max_queries x top_k`` per
 group), so a step allocates nothing and can be captured in a CUDA graph once per batch shape.
 """

@@ -15,6 +15,7 @@ import torch
 
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, runs_of
 from ..config import PoolConfig, Replicated
+from ..deferred import DeferredStatus
 from ..errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
 from ..frame import PoolFrame, Selection, debug_enabled
 from ..invariants import PlanSnapshot, check_invariants, check_plan, snapshot_plan
@@ -51,6 +52,7 @@ class TieredPool(PoolFrame):
         self._layout = TieredLayout(self._storage, self._state)
         self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
+        self._deferred = DeferredStatus(self._state.ctl)  # refusals of non-validating calls
         # The plan planned last and not yet run to the end: the plan kernel has already taken its
         # slots from the free stacks and the policy, so the next call finishes it first.
         self._pending: TransferPlan | None = None
@@ -165,6 +167,7 @@ class TieredPool(PoolFrame):
             if torch._debug_has_internal_overlap(out) == 1:  # 1: certainly (an expanded tensor)
                 raise InvalidInputError("prepare: out's elements share memory (expanded?); a slot needs one")
             self._check_device("prepare: out", out)
+        self._raise_refused()
         self._finish_pending()
         if topk.numel() == 0:
             return None
@@ -179,6 +182,8 @@ class TieredPool(PoolFrame):
         plan, launches = self._layout.plan(group, selection, **kwargs)
         self._launches += launches
         self._raise_if_failed(what, plan)
+        if not self._validate:
+            self._deferred.publish()
         self._pending = plan
         self._audit = None if snapshot is None else (plan, snapshot)
         return plan
@@ -221,6 +226,7 @@ class TieredPool(PoolFrame):
         any view (a slice of a wider tensor, bf16 or fp8 memory viewed as bytes, at any offset):
         read in place when packed and aligned, else copied once."""
         self._check_write(layer, addrs, rows)
+        self._raise_refused()
         self._finish_pending()
         if addrs.numel() == 0:
             return
@@ -275,6 +281,7 @@ class TieredPool(PoolFrame):
         """Raise (and clear) an error that a non-validating ``prepare``/``write`` recorded."""
         self._need_kernels("check")
         pending = int(self._state.ctl[int(K.E_PENDING)])
+        self._deferred.forget()
         if pending:
             self._state.ctl[int(K.E_PENDING)] = 0
             raise self._status_error("an earlier call", pending, None)
@@ -312,6 +319,16 @@ class TieredPool(PoolFrame):
         return out
 
     # -- checks ----------------------------------------------------------------------------------
+    def _raise_refused(self) -> None:
+        """Without validation: raise the refusal of an earlier ``prepare`` or ``write`` once its
+        status has reached the host (``ulakv.deferred``; no sync)."""
+        if not self._validate:
+            status = self._deferred.take()
+            if status:
+                raise self._status_error(
+                    "an earlier prepare or write (refused: its slots were -1)", status, None
+                )
+
     def _raise_if_failed(self, what: str, plan: TransferPlan) -> None:
         if not self._validate:
             return
