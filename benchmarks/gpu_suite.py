@@ -8,7 +8,10 @@ Sections, in order (a failed check stops the suite before any timing):
 1. ``correctness``: every kernel on this device against its plain reference (``*_reference``) on
    the same inputs: a pool running the Triton kernels and a pool running the references go through
    the same admits, writes, prepares (whole and split the way the engine runs them) and releases;
-   their state must stay bit-identical; then gather and release on the final state.
+   their state must stay bit-identical; then gather and release on the final state. Then the same at
+   real shapes (``correctness_at_scale``): 8 x CHUNK elements a selection, 64 K GPU slots (four
+   bitmap levels), both policies, calls enough for the LRU ring to compact, against the
+   references run on a CPU copy.
 2. ``ceilings``: device-to-device copy and pinned host-to-device copy, GB/s (bytes copied / time).
 3. ``gather``: the selected rows of a step (656-byte rows, top-k 2048, batch 1..256) read by the
    gather kernel from GPU slots, against the copy ceiling; and from pinned CPU rows (zero-copy
@@ -44,9 +47,11 @@ import torch
 
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
 from ulakv.engine import SparseKV
+from ulakv.kernels import common as K
 from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import release as release_mod
 from ulakv.kernels._triton import count_launches
+from ulakv.kernels.buckets import level_offsets
 from ulakv.kernels.operands import as_words
 from ulakv.layouts.tiered_state import REFERENCE
 from ulakv.traces import SyntheticSpec, synthetic
@@ -66,9 +71,13 @@ class Sizes:
     graph_slots: int
     graph_batch: int
 
+    scale_slots: int  # GPU slots of the real-shape correctness pools
+    scale_elements: int  # elements of each of their selections
+    scale_calls: int
 
-FULL = Sizes(1 << 30, 1 << 20, 2048, (1, 8, 64, 256), 16384, 5, 1 << 16, 8)
-SMOKE = Sizes(1 << 20, 2048, 16, (1, 4), 64, 1, 512, 2)
+
+FULL = Sizes(1 << 30, 1 << 20, 2048, (1, 8, 64, 256), 16384, 5, 1 << 16, 8, 1 << 16, 8 * 1024, 24)
+SMOKE = Sizes(1 << 20, 2048, 16, (1, 4), 64, 1, 512, 2, 2048, 2 * 1024, 6)
 
 
 # -- timing -----------------------------------------------------------------------------------------
@@ -130,7 +139,7 @@ def write_all(pool: Pool, addrs: torch.Tensor, layers: range, chunk: int = 1 << 
 def same_state(a: Pool, b: Pool) -> str | None:
     sa, sb = a.state_dict(), b.state_dict()
     for key in sa:
-        x, y = sa[key], sb[key]
+        x, y = sa[key].cpu(), sb[key].cpu()
         if key == "gpu_data":  # the dummy row absorbs padding writes in any order
             x, y = x[:, :-1], y[:, :-1]
         if not torch.equal(x, y):
@@ -190,6 +199,68 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
             if key not in ("frontier", "gpu_data") and not torch.equal(value, ref.tensors()[key]):
                 raise AssertionError(f"{policy}: release differs from its reference in {key}")
         rows.append({"policy": str(policy), "calls": 40, "result": "bit-identical"})
+    return rows
+
+
+def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> list[dict]:
+    """The same comparison at real shapes: selections of ``scale_elements`` (8 x CHUNK in the full
+    run: many classify and apply programs, candidate lists over many segments) on pools of
+    ``scale_slots`` GPU slots (64 K: four bitmap levels), long enough for the LRU ring to compact.
+    The references run on a CPU copy of the pool (a plain-Python reference on the device would read
+    every word back one at a time)."""
+    G, T = sizes.scale_slots, sizes.scale_elements
+    cpu = torch.device("cpu")
+    rows = []
+    for policy in (ExactLRU(), PBLRU(8)):
+        kernels = make_pool(device, G, 2 * G, policy, layers=2, per_group=2)
+        refs = make_pool(cpu, G, 2 * G, policy, layers=2, per_group=2)
+        refs._layout.kernels = REFERENCE
+        n = 3 * G - T  # nearly full: misses evict once the GPU tier is full
+        kernels.admit(n)
+        seq_ref = refs.admit(n)  # the same addresses in both (fresh allocators)
+        gen = torch.Generator().manual_seed(seed)
+        written = seq_ref.addresses[: 2 * T]  # some entries carry data, the rest read as zeros
+        for layer in range(2):
+            data = torch.randint(0, 256, (written.numel(), ROW), dtype=torch.uint8, generator=gen)
+            kernels.write(layer, written.to(device), data.to(device))
+            refs.write(layer, written, data)
+        hot = torch.randperm(n, generator=gen)[: T // 4]  # picked again every call: hits, ring churn
+        compactions = 0
+        for call in range(sizes.scale_calls):
+            fresh = torch.randint(0, n, (T - T // 4,), generator=gen)
+            picks = torch.cat([hot, fresh])[torch.randperm(T, generator=gen)]
+            sel = seq_ref.addresses[picks].view(-1, 1024 if T % 1024 == 0 else T).to(torch.int32)
+            gctl = kernels._state.gctl[0].cpu()
+            ring_before = int(gctl[int(K.G_TAIL)] - gctl[int(K.G_HEAD)])
+            before = kernels.stats()
+            for pool, where in ((kernels, device), (refs, cpu)):
+                plan = pool.plan(0, sel.to(where))
+                pool.run(plan, until=Phase.IN, in_layers=range(0, 1))  # the engine's split
+                pool.run(plan)
+            after = kernels.stats()
+            appended = (after["hits"] - before["hits"]) + (after["misses"] - before["misses"])
+            ring = kernels._state.q_slot.shape[1]
+            compactions += isinstance(policy, ExactLRU) and ring_before + appended > ring
+            bad = same_state(kernels, refs)
+            if bad is not None:
+                raise AssertionError(f"{policy}: kernels and references differ in {bad!r} after call {call}")
+        stats = kernels.stats()
+        if stats["victims"] == 0 or (isinstance(policy, ExactLRU) and compactions == 0):
+            raise AssertionError(
+                f"{policy}: no eviction or no ring compaction: the section tested too little"
+            )
+        rows.append(
+            {
+                "policy": str(policy),
+                "gpu_slots": G,
+                "elements": T,
+                "calls": sizes.scale_calls,
+                "victims": stats["victims"],
+                "ring_compactions": compactions,
+                "bitmap_levels": len(level_offsets(G)) - 1,
+                "result": "bit-identical",
+            }
+        )
     return rows
 
 
@@ -402,6 +473,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(results["meta"]))
     results["correctness"] = correctness(device)
     table("correctness: kernels against references on this device", results["correctness"])
+    results["correctness_at_scale"] = correctness_at_scale(device, sizes)
+    table(
+        "correctness at real shapes: device kernels against references on the CPU",
+        results["correctness_at_scale"],
+    )
     results["ceilings"] = ceilings(device, sizes)
     table("ceilings (GB/s)", [results["ceilings"]])
     results["gather"] = gather_rows(device, sizes, results["ceilings"])
