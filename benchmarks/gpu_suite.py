@@ -18,7 +18,8 @@ Sections, in order (a failed check stops the suite before any timing):
    through unified addressing), against the host-to-device ceiling.
 4. ``swap_in``: a ``prepare`` whose selection is all on the CPU with the GPU full: rows in (and
    victims out) per second, against the host-to-device ceiling.
-5. ``prepare``: time per group-step, exact LRU and PB-LRU(8), batch 1, 8, 64, 256, top-k 2048, a
+5. ``prepare``: time per group-step, exact LRU and PB-LRU(8), batch 1, 8, 64, 256 x 3 query
+   positions x top-k 2048 (beside the time its misses take at the host-to-device ceiling), a
    1 M-slot GPU pool, selections from ``ulakv.traces.synthetic``; ``fits`` (nothing must be evicted)
    and ``evicting`` (the GPU is full of other requests' entries).
 6. ``graph``: one engine step (``SparseKV``, 4-layer group, side stream) captured in a CUDA graph and
@@ -342,7 +343,9 @@ def swap_in(device: torch.device, sizes: Sizes, ceil: dict[str, float]) -> list[
 
 
 # -- 5. prepare per group-step ----------------------------------------------------------------------
-def prepare_steps(device: torch.device, sizes: Sizes) -> list[dict]:
+def prepare_steps(device: torch.device, sizes: Sizes, ceil: dict[str, float]) -> list[dict]:
+    """Time a group-step's ``prepare`` at batch x 3 query positions x top-k, next to the time its
+    misses' rows take at the measured pinned host-to-device ceiling (what the step cannot beat)."""
     G, K, steps = sizes.gpu_slots, sizes.topk, sizes.steps + 1
     Bmax = max(sizes.batches)
     out = []
@@ -351,7 +354,7 @@ def prepare_steps(device: torch.device, sizes: Sizes) -> list[dict]:
         filler = 0 if case == "fits" else G
         trace = synthetic(
             SyntheticSpec(
-                requests=Bmax, prompt=(context - steps, context - steps), steps=steps, topk=K, queries=1,
+                requests=Bmax, prompt=(context - steps, context - steps), steps=steps, topk=K, queries=3,
                 groups=1, window=min(128, K // 4), heavy=min(512, K // 4), arrival_spread=0, seed=3,
             )
         )  # fmt: skip
@@ -367,17 +370,18 @@ def prepare_steps(device: torch.device, sizes: Sizes) -> list[dict]:
             for s in range(steps):
                 rows = []
                 for b, r in enumerate(trace.requests):
-                    pos = r.topk[s, 0, 0].to(device).long()
+                    pos = r.topk[s, 0].to(device).long()  # [3, K]
                     rows.append(torch.where(pos >= 0, seqs[b].addresses[pos.clamp(min=0)], -1))
                 picks.append(torch.stack(rows))
             for B in sizes.batches:
                 before = pool.stats()
                 with count_launches() as names:
                     # The warm-up (i = -1) takes step 0's selection, the timed runs the steps after it.
-                    batch = [p[:B].unsqueeze(1) for p in picks]
+                    batch = [p[:B] for p in picks]
                     secs = timed(lambda i, p=pool, b=batch: p.prepare(0, b[i + 1]), steps - 1, device)
                 after = pool.stats()
                 calls = steps
+                misses = (after["misses"] - before["misses"]) / calls
                 out.append(
                     {
                         "case": case,
@@ -388,6 +392,8 @@ def prepare_steps(device: torch.device, sizes: Sizes) -> list[dict]:
                         "hit_rate": (after["hits"] - before["hits"])
                         / max(1, after["hits"] - before["hits"] + after["misses"] - before["misses"]),
                         "victims_per_step": (after["victims"] - before["victims"]) / calls,
+                        "misses_per_step": misses,
+                        "us_misses_at_h2d_ceiling": misses * ROW / (ceil["pinned_h2d_GBps"] * 1e9) * 1e6,
                     }
                 )
             del pool
@@ -484,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
     table(f"gather of selected {ROW}-byte rows, top-k {sizes.topk}", results["gather"])
     results["swap_in"] = swap_in(device, sizes, results["ceilings"])
     table("swap-in from pinned CPU rows (prepare, GPU full)", results["swap_in"])
-    results["prepare"] = prepare_steps(device, sizes)
+    results["prepare"] = prepare_steps(device, sizes, results["ceilings"])
     table(f"prepare per group-step, {sizes.gpu_slots} GPU slots, top-k {sizes.topk}", results["prepare"])
     results["graph"] = graph_step(device, sizes)
     table("one engine step in a CUDA graph", [results["graph"]])
