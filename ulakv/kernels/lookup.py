@@ -274,9 +274,7 @@ def classify_kernel(
         tl.debug_barrier()
         tl.store(ctl_ptr + K.E_ARRIVED, 0)
         victims_program(
-            home_ptr,
             counts_ptr,
-            miss_pos_ptr,
             chunks,
             G,
             N,
@@ -289,10 +287,6 @@ def classify_kernel(
             Qcap,
             mark_ptr,
             claim_ptr,
-            gpu_free_ptr,
-            cpu_free_ptr,
-            victims_ptr,
-            popped_ptr,
             cand_ptr,
             seg_ptr,
             chunk_off_ptr,
@@ -302,7 +296,6 @@ def classify_kernel(
             BW,
             lvl_ptr,
             n_levels,
-            stamp_ptr,
             R,
             frontier_ptr,
             frontier_size,

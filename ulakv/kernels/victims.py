@@ -118,9 +118,7 @@ def victim_slots(scratch, ctl: list[int], j: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def victims_program(
-    home_ptr,
     counts_ptr,
-    miss_pos_ptr,
     P,
     G,
     N,
@@ -133,10 +131,6 @@ def victims_program(
     Qcap,
     mark_ptr,
     claim_ptr,
-    gpu_free_ptr,
-    cpu_free_ptr,
-    victims_ptr,
-    popped_ptr,
     cand_ptr,
     seg_ptr,
     chunk_off_ptr,
@@ -146,7 +140,6 @@ def victims_program(
     BW,
     lvl_ptr,
     n_levels,
-    stamp_ptr,
     R,
     frontier_ptr,
     frontier_size,
