@@ -206,7 +206,8 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
 def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> list[dict]:
     """The same comparison at real shapes: selections of ``scale_elements`` (8 x CHUNK in the full
     run: many classify and apply programs, candidate lists over many segments) on pools of
-    ``scale_slots`` GPU slots (64 K: four bitmap levels), long enough for the LRU ring to compact.
+    ``scale_slots`` GPU slots (64 K: four bitmap levels), long enough for the LRU ring to compact
+    and for evictions both clean (back to an intact CPU copy) and copying.
     The references run on a CPU copy of the pool (a plain-Python reference on the device would read
     every word back one at a time)."""
     G, T = sizes.scale_slots, sizes.scale_elements
@@ -246,10 +247,11 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
             if bad is not None:
                 raise AssertionError(f"{policy}: kernels and references differ in {bad!r} after call {call}")
         stats = kernels.stats()
-        if stats["victims"] == 0 or (isinstance(policy, ExactLRU) and compactions == 0):
-            raise AssertionError(
-                f"{policy}: no eviction or no ring compaction: the section tested too little"
-            )
+        if stats["clean_evictions"] == 0 or stats["clean_evictions"] == stats["victims"]:
+            raise AssertionError(f"{policy}: evictions were not both clean and copying: tested too little")
+        if isinstance(policy, ExactLRU) and compactions == 0:
+            raise AssertionError(f"{policy}: no ring compaction: the section tested too little")
+        kernels.check_invariants()  # every CPU copy a clean eviction trusts equals its slot's bytes
         rows.append(
             {
                 "policy": str(policy),
@@ -257,6 +259,7 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
                 "elements": T,
                 "calls": sizes.scale_calls,
                 "victims": stats["victims"],
+                "clean_evictions": stats["clean_evictions"],
                 "ring_compactions": compactions,
                 "bitmap_levels": len(level_offsets(G)) - 1,
                 "result": "bit-identical",

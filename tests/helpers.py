@@ -320,7 +320,7 @@ def assert_same_state(
 
 def assert_holds_nothing(state: TieredState) -> None:
     """What the release kernel alone must leave once every entry of ``state`` is released: no
-    address homed, every GPU slot unowned, both free stacks full (each slot once), no bucket bit."""
+    address homed, every GPU slot unowned, both free lists full (each slot once), no bucket bit."""
     G, C = state.gpu_slots, state.cpu_slots
     assert not bool((state.mapping >= 0).any()), "an address still has a home"
     assert bool((state.owner == -1).all()), "a GPU slot is still owned"
@@ -329,7 +329,8 @@ def assert_holds_nothing(state: TieredState) -> None:
         assert (n_gpu, n_cpu) == (G, C), f"group {g}: free stacks hold {n_gpu}/{G} GPU, {n_cpu}/{C} CPU"
         ids = torch.arange(max(G, C), dtype=torch.int32, device=state.gpu_free.device)
         assert torch.equal(state.gpu_free[g, :G].sort().values, ids[:G]), f"group {g}: GPU free stack"
-        assert torch.equal(state.cpu_free[g, :C].sort().values, ids[:C]), f"group {g}: CPU free stack"
+        cpu_free = state.free_cpu_rows(g).to(ids.device)
+        assert torch.equal(cpu_free.sort().values, ids[:C]), f"group {g}: CPU free list"
     assert not bool(state.bits.any()), "a PB-LRU bucket still lists a slot"
 
 

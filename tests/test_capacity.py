@@ -76,7 +76,8 @@ def test_every_number_fits_its_budgets(published) -> None:
     for r in published:
         b = r["breakdown"]
         gpu = b["kv_rows_gb"] + b["buffers_gb"] + b["index_keys_gb"] + b["metadata_gb"]
-        assert gpu <= b["kv_budget_gb"] + 1e-3, r
+        # Each figure is rounded to 1e-3 GB: four of them summed are off by up to 2e-3.
+        assert gpu <= b["kv_budget_gb"] + 2e-3, r
         assert b["cpu_rows_gb"] + b["cpu_staging_gb"] <= b["cpu_budget_gb"] + 1e-3, r
         assert r["pools"] and r["limit"]
     # ulakv pays for its mapping tables and policy state; the baselines are charged rows only.

@@ -28,6 +28,7 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
     scale = results["correctness_at_scale"]
     assert [row["result"] for row in scale] == ["bit-identical"] * 2
     assert scale[0]["ring_compactions"] >= 1 and all(row["victims"] > 0 for row in scale)
+    assert all(0 < row["clean_evictions"] < row["victims"] for row in scale)
     assert all(row["bitmap_levels"] >= 3 and row["elements"] >= 2 * 1024 for row in scale)
     assert {"d2d_GBps", "pinned_h2d_GBps"} <= results["ceilings"].keys()
     assert {row["tier"] for row in results["gather"]} == {"gpu", "cpu"}

@@ -79,6 +79,8 @@ def test_model_replay_equals_pool_replay(policy) -> None:
     model = replay(trace, policy, gpu, bytes_per_layer=8, layers_per_group=2, backend="model")
     for field in ("hits", "misses", "bytes_in_per_step", "bytes_out_per_step", "victims", "belady_hit_rate"):
         assert getattr(pool, field) == getattr(model, field), field
+    # Row for row: the same victims go back to their CPU copies without a copy.
+    assert pool.pool_stats["clean_evictions"] == model.pool_stats["clean_evictions"] > 0
 
 
 def test_offload_model_replay_equals_offload_pool_replay() -> None:

@@ -22,6 +22,7 @@ Only tests that keep a reference copy check it; nothing here does.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -38,13 +39,15 @@ def _fail(group: int, message: str) -> NoReturn:
     raise InvariantError(f"group {group}: {message}")
 
 
-def check_invariants(state, allocator: LogicalAllocator) -> None:
+def check_invariants(
+    state, allocator: LogicalAllocator, group_layers: Callable[[int], range] | None = None
+) -> None:
     """Check the structure of ``state`` (a ``TieredState`` or ``BufferState``) at rest, in every
     group, and raise InvariantError if it is broken.
 
     * Invariant 1: no live address is marked FREE, and no two addresses map to one home (GPU slot
       or CPU row). Each GPU slot's owner and each address's mapping agree, and the GPU and
-      CPU free stacks list exactly the slots that hold nothing. Together these make
+      CPU free lists hold exactly the slots that hold nothing. Together these make
       distinct entries = physical slots used.
     * Invariant 6, first half: after a release no address that is not live keeps a mapping, and no
       GPU slot is owned by such an address. The second half, "a pool with no requests equals a
@@ -91,14 +94,47 @@ def check_invariants(state, allocator: LogicalAllocator) -> None:
             _fail(g, "invariant 1: the GPU free stack does not list exactly the unowned slots")
         cpu_used = torch.zeros(max(C, 1), dtype=torch.bool)
         cpu_used[homes[~on_gpu] - G] = True
-        cpu_free = state.cpu_free[g, :n_cpu_free].cpu().to(torch.int64)
+        if not 0 <= n_cpu_free <= C or not 0 <= gctl[int(K.G_CPU_BOT)] < state.cpu_stack_size:
+            _fail(g, f"invariant 1: the CPU free list's bounds are broken ({n_cpu_free} rows)")
+        cpu_free = state.free_cpu_rows(g).to(torch.int64)
         expected_cpu_free = torch.nonzero(~cpu_used[:C]).flatten()
         if not torch.equal(cpu_free.sort().values, expected_cpu_free):
-            _fail(g, "invariant 1: the CPU free stack does not list exactly the unused CPU slots")
+            _fail(g, "invariant 1: the CPU free list does not hold exactly the unused CPU rows")
+        _check_copies(state, g, owner, cpu_free, group_layers(g) if group_layers else None)
         if state.policy == K.EXACT_LRU:
             _check_lru_ring(state, g, owner, gctl)
         else:
             _check_buckets(state, g, owner, gctl)
+
+
+def _check_copies(state, g: int, owner: torch.Tensor, cpu_free: torch.Tensor, layers: range | None) -> None:
+    """Every free row knows its place in the free list, and every copy a clean eviction would
+    trust (a slot and a free row naming each other) is of an occupied slot and equal, every layer
+    of the group (``layers``; unchecked when ``None``), to the slot's bytes."""
+    cap = state.cpu_stack_size
+    bot = int(state.gctl[g, int(K.G_CPU_BOT)])
+    at = (bot + torch.arange(cpu_free.numel())) % cap
+    if not torch.equal(state.cpu_pos[g].cpu().to(torch.int64)[cpu_free], at):
+        _fail(g, "a free CPU row's recorded place in the free list is wrong")
+    copy_row = state.copy_row[g].cpu().to(torch.int64)
+    slots = torch.nonzero(copy_row >= 0).flatten()
+    if bool((copy_row[slots] >= state.cpu_slots).any()):
+        _fail(g, "a GPU slot names a CPU copy past the CPU rows")
+    rows = copy_row[slots]
+    trusted = state.copy_slot[g].cpu().to(torch.int64)[rows] == slots
+    slots, rows = slots[trusted], rows[trusted]
+    if bool((owner[slots] < 0).any()):
+        _fail(g, "a free GPU slot has a CPU copy")
+    free = torch.zeros(max(state.cpu_slots, 1), dtype=torch.bool)
+    free[cpu_free] = True
+    if bool((~free[rows]).any()):
+        _fail(g, "a CPU row that is someone's home is taken for a copy")
+    if layers is None:
+        return
+    gpu = state.gpu_data[layers.start : layers.stop].cpu()
+    cpu = state.cpu_data[layers.start : layers.stop].cpu()
+    if not torch.equal(gpu[:, slots], cpu[:, rows]):
+        _fail(g, "a CPU copy no longer holds its GPU slot's bytes (a clean eviction would lose them)")
 
 
 def _ring_pairs(state, g: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 from .config import PBLRU, CPUOffloadBaseline, EntrySpec, ExactLRU, LayoutConfig, PoolConfig, Tiered
 from .errors import CapacityError
 from .policies import ExactLRUModel, PBLRUModel
+from .policies.cpu_tier import CPUTierModel
 from .policies.exact_lru import distinct
 from .pool import Pool
 from .traces import Trace
@@ -199,20 +200,27 @@ class _ModelTarget(_AddressBook):
         )
         self.cfg = cfg
         self.models = [make() for _ in range(cfg.num_groups)]
+        self.cpu_rows = cfg.layout.cpu_slots + cfg.layout.cpu_staging
+        self.tiers = [CPUTierModel(self.cpu_rows) for _ in range(cfg.num_groups)]
         self.stats = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "victims"), 0)
         self.stats.update(victim_search_reads=-1, round_upkeep_reads=-1)  # models do not count words
+        self.clean_before_reset = 0
 
     def _write(self, addresses: list[int]) -> None:
         width = self.cfg.entry.bytes_per_layer
-        for group, model in enumerate(self.models):
+        for group, (model, tier) in enumerate(zip(self.models, self.tiers, strict=True)):
             layers = self.cfg.group_layers(group)
             new = set(addresses)
             for _ in layers:
-                _, victims = model.write(addresses, new)
+                homed_on_gpu = [a for a in distinct(addresses) if a not in new and model.resident(a)]
+                placed, victims = model.write(addresses, new)
+                fresh = [a for a in distinct(addresses) if a in new]
+                copied = tier.place(victims, fresh[len(placed) :])
+                tier.rewrite(homed_on_gpu)
                 new = set()
                 self.stats["victims"] += len(victims)
                 on_cpu = sum(1 for a in addresses if not model.resident(a))
-                self.stats["bytes_out"] += len(victims) * len(layers) * width + on_cpu * width
+                self.stats["bytes_out"] += copied * len(layers) * width + on_cpu * width
 
     def admit(self, key: int, n: int) -> list[int]:
         addrs = self._admit(key, n)
@@ -227,19 +235,26 @@ class _ModelTarget(_AddressBook):
     def prepare(self, group: int, rows: list[list[int]], keys: list[int]) -> None:
         hits, misses, victims = self.models[group].prepare([a for row in rows for a in row])
         row_bytes = len(self.cfg.group_layers(group)) * self.cfg.entry.bytes_per_layer
+        copied = self.tiers[group].place(victims, [])
+        self.tiers[group].swap_in(misses)  # every entry was written: misses come from the CPU
         self.stats["hits"] += len(hits)
         self.stats["misses"] += len(misses)
-        self.stats["bytes_in"] += len(misses) * row_bytes  # every entry was written: misses come from the CPU
-        self.stats["bytes_out"] += len(victims) * row_bytes
+        self.stats["bytes_in"] += len(misses) * row_bytes
+        self.stats["bytes_out"] += copied * row_bytes
         self.stats["victims"] += len(victims)
 
     def release(self, key: int) -> None:
-        for model in self.models:
+        for model, tier in zip(self.models, self.tiers, strict=True):
             model.release(self.addresses[key])
+            tier.release(self.addresses[key])
         del self.addresses[key]
+        if not self.addresses:  # the pool resets its residency when no request is left
+            self.clean_before_reset += sum(t.clean_evictions for t in self.tiers)
+            self.tiers = [CPUTierModel(self.cpu_rows) for _ in self.models]
 
     def counters(self) -> dict[str, int]:
-        return dict(self.stats)
+        clean = self.clean_before_reset + sum(t.clean_evictions for t in self.tiers)
+        return dict(self.stats, clean_evictions=clean)
 
     def occupancy(self) -> tuple[int, int]:
         homed = self.cfg.num_groups * sum(len(a) for a in self.addresses.values())

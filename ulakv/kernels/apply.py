@@ -46,6 +46,12 @@ ALL_PHASES = (int(K.PH_OUT), int(K.PH_COMMIT))
 
 
 @triton.jit
+def _word(words, i):
+    """Control word ``i`` of ``words`` (all of them, loaded at once)."""
+    return tl.sum(tl.where(tl.arange(0, K.CTL_BLOCK) == i, words, 0), axis=0)
+
+
+@triton.jit
 def _miss_tile(
     r0,
     n_miss,
@@ -61,7 +67,7 @@ def _miss_tile(
     popped_ptr,
     cand_ptr,
     seg_ptr,
-    ctl_ptr,
+    segments,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
@@ -74,7 +80,7 @@ def _miss_tile(
     src = tl.load(home_ptr + p, mask=mm, other=0)
     j = m_off + r
     has_slot = mm & (j < V)
-    v = victim_slot(j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, ctl_ptr, CHUNK)
+    v = victim_slot(j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK)
     popping = mm & (j >= k_free)  # misses past the free slots evict, or get a CPU row themselves
     cpu_row = tl.load(popped_ptr + (j - k_free), mask=popping, other=0)
     return p, a, src, mm, has_slot, v, popping, cpu_row
@@ -102,6 +108,8 @@ def _miss_tile(
         "n_levels",
         "R",
         "frontier_size",
+        "C",
+        "group_row_bytes",
     ],
     do_not_specialize_on_alignment=[
         "sel_ptr",
@@ -111,6 +119,9 @@ def _miss_tile(
         "q_slot_ptr",
         "q_ver_ptr",
         "cpu_free_ptr",
+        "cpu_pos_ptr",
+        "copy_slot_ptr",
+        "copy_row_ptr",
         "rows_ptr",
         "slots_ptr",
         "gctl_ptr",
@@ -166,6 +177,14 @@ def apply_kernel(
     R,
     frontier_ptr,
     frontier_size,
+    cpu_pos_ptr,
+    copy_slot_ptr,
+    copy_row_ptr,
+    copy_depth_ptr,
+    slot_of_ptr,
+    C,
+    stats_ptr,
+    group_row_bytes,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -188,7 +207,9 @@ def apply_kernel(
     # group (layer0 x (G + 1) x W words) and compile a variant each; this keeps the pool's alignment.
     gpu_ptr += layer0.to(tl.int64) * gpu_layer_stride
     cpu_ptr += layer0.to(tl.int64) * cpu_layer_stride
-    status = tl.load(ctl_ptr + K.E_LAST_STATUS)
+    # The plan's control words, in one load: each separate scalar load is a dependent step.
+    ctl = tl.load(ctl_ptr + tl.arange(0, K.CTL_BLOCK), mask=tl.arange(0, K.CTL_BLOCK) < K.CTL_WORDS, other=0)
+    status = _word(ctl, K.E_LAST_STATUS)
     run_out = (first_phase <= K.PH_OUT) & (last_phase >= K.PH_OUT)
     run_evict = (first_phase <= K.PH_EVICT) & (last_phase >= K.PH_EVICT)
     run_in = (first_phase <= K.PH_IN) & (last_phase >= K.PH_IN)
@@ -202,8 +223,9 @@ def apply_kernel(
         off = chunk_off_ptr + pid * K.OFF_WORDS
         m_off = tl.load(off + K.O_MISS)
         n_miss = tl.load(counts_ptr + pid * K.COUNT_WORDS + K.C_NEED)
-        k_free = tl.load(ctl_ptr + K.E_KFREE)
-        V = tl.load(ctl_ptr + K.E_VICTIMS)
+        k_free = _word(ctl, K.E_KFREE)
+        V = _word(ctl, K.E_VICTIMS)
+        segments = _word(ctl, K.E_SEGMENTS)
         w = tl.arange(0, WORDS)
         wm = w < W
         has_misses = r0 < n_miss
@@ -222,17 +244,32 @@ def apply_kernel(
             popped_ptr,
             cand_ptr,
             seg_ptr,
-            ctl_ptr,
+            segments,
             CHUNK,
             ROWS,
         )
+
+        # A victim whose entry came in from a CPU row that still holds its bytes (a free row, its
+        # copy) goes back there with no copy: a *clean* eviction. Unless another miss of this call
+        # popped that row (it is about to be overwritten): the classify took each candidate's copy's
+        # depth in the free list as the call began, whatever apply's hole filling (below) moves.
+        # Only the victim itself or the miss that pops its copy ever write these words, so every
+        # phase of every launch of this plan decides the same.
+        copy = tl.full((ROWS,), -1, tl.int32)
+        clean = tl.zeros((ROWS,), tl.int32) != 0
+        if not CACHE:
+            copy = tl.load(copy_row_ptr + v, mask=has_slot & popping, other=-1)
+            intact = (copy >= 0) & (tl.load(copy_slot_ptr + copy, mask=copy >= 0, other=-1) == v)
+            depth = tl.load(copy_depth_ptr + v, mask=intact, other=0)
+            clean = intact & ((depth >= _word(ctl, K.E_POPS)) | (copy == cpu_row))
+        dest = tl.where(clean, copy, cpu_row)  # the victim's CPU row
 
         # -- out: victims' rows, every layer, to their popped CPU rows ----------------------------
         # (a buffer drops its victims: their home is on another rank)
         if run_out and not CACHE:
             if has_misses:
                 old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
-                evict = (has_slot & popping & (old >= 0))[:, None] & wm[None, :]
+                evict = (has_slot & popping & (old >= 0) & ~clean)[:, None] & wm[None, :]
                 v2 = v.to(tl.int64)[:, None] * W + w[None, :]
                 dest2 = cpu_row.to(tl.int64)[:, None] * W + w[None, :]
                 for layer in range(L):
@@ -248,7 +285,23 @@ def apply_kernel(
                 if CACHE:  # dropped: the entry lives on its home rank, not here
                     tl.store(map_ptr + old, tl.full((ROWS,), K.M_UNHOMED, tl.int32), mask=evict)
                 else:
-                    tl.store(map_ptr + old, G + cpu_row, mask=evict)
+                    tl.store(map_ptr + old, G + dest, mask=evict)
+                    # A row that becomes a home copies nothing (the slot's own word is rewritten
+                    # at commit, before any other call can read it).
+                    tl.store(copy_slot_ptr + dest, tl.full((ROWS,), -1, tl.int32), mask=popping)
+                    # A clean victim's row leaves the free list from wherever it sat: its popped
+                    # row, unused, takes its place there.
+                    refill = evict & clean & (copy != cpu_row)
+                    hole = tl.load(cpu_pos_ptr + copy, mask=refill, other=0)
+                    tl.store(cpu_free_ptr + hole, cpu_row, mask=refill)
+                    tl.store(cpu_pos_ptr + cpu_row, hole, mask=refill)
+                    # Bytes out (the copies) and clean evictions, in one two-lane atomic.
+                    pair = tl.arange(0, 2)
+                    n_clean = tl.sum((evict & clean).to(tl.int64), axis=0)
+                    n_dirty = tl.sum((evict & ~clean).to(tl.int64), axis=0)
+                    added = tl.where(pair == 0, n_dirty * group_row_bytes, n_clean)
+                    word = tl.where(pair == 0, K.S_BYTES_OUT, K.S_CLEAN)
+                    tl.atomic_add(stats_ptr + word, added, mask=added > 0, sem="relaxed")
                 tl.store(owner_ptr + v, tl.full((ROWS,), -1, tl.int32), mask=evict)
             if not WRITE:
                 if tile == 0:
@@ -266,11 +319,13 @@ def apply_kernel(
                         victims_ptr,
                         cand_ptr,
                         seg_ptr,
-                        ctl_ptr,
+                        segments,
                         k_free,
                         V,
                     )
                     tl.store(slots_ptr + pos, slot, mask=inb)
+                    if POLICY == K.EXACT_LRU:
+                        tl.store(slot_of_ptr + pos, slot, mask=inb)  # for commit's recency
         tl.debug_barrier()
 
         # -- in: misses' rows, layers [in_lo, in_hi), into their GPU slots --------------------------
@@ -307,6 +362,7 @@ def apply_kernel(
                     G,
                     flags_ptr,
                     home_ptr,
+                    copy_row_ptr,
                     rows_ptr,
                     gpu_ptr,
                     cpu_ptr,
@@ -325,11 +381,16 @@ def apply_kernel(
             if has_misses:
                 tl.store(map_ptr + a, tl.where(has_slot, v, G + cpu_row), mask=mm)
                 tl.store(owner_ptr + v, a.to(tl.int32), mask=has_slot)
-                # A miss from the CPU frees its row: pushed at its rank among the call's such misses.
+                # A miss from the CPU leaves its row, a copy of the entry now in its slot, at the
+                # bottom of the free list: at its rank among the call's such misses.
                 pushes = mm & (src >= G)
-                push = tl.load(ctl_ptr + K.E_PUSH_BASE) + tl.load(off + K.O_PUSH)
-                push += tl.load(cpu_rank_ptr + p, mask=pushes, other=0)
-                tl.store(cpu_free_ptr + push, src - G, mask=pushes)
+                if not CACHE:
+                    push = _word(ctl, K.E_PUSH_BASE) + tl.load(off + K.O_PUSH)
+                    push = (push + tl.load(cpu_rank_ptr + p, mask=pushes, other=0)) % C
+                    tl.store(cpu_free_ptr + push, src - G, mask=pushes)
+                    tl.store(cpu_pos_ptr + src - G, push.to(tl.int32), mask=pushes)
+                    tl.store(copy_slot_ptr + src - G, v, mask=pushes & has_slot)
+                    tl.store(copy_row_ptr + v, tl.where(pushes, src - G, -1), mask=has_slot)
                 if POLICY == K.PBLRU:
                     # A slot taken from a bucket leaves it (the round's end is processed: ref is
                     # rnd + 1), and every slot that receives an entry joins the current round.
@@ -343,22 +404,25 @@ def apply_kernel(
                 if tile == 0:
                     pos = base + tl.arange(0, CHUNK)
                     inb = pos < T
-                    slot = _slot_of(
-                        pos,
-                        inb,
-                        CHUNK,
-                        flags_ptr,
-                        home_ptr,
-                        first_pos_ptr,
-                        chunk_off_ptr,
-                        miss_rank_ptr,
-                        victims_ptr,
-                        cand_ptr,
-                        seg_ptr,
-                        ctl_ptr,
-                        k_free,
-                        V,
-                    )
+                    if WRITE:
+                        slot = _slot_of(
+                            pos,
+                            inb,
+                            CHUNK,
+                            flags_ptr,
+                            home_ptr,
+                            first_pos_ptr,
+                            chunk_off_ptr,
+                            miss_rank_ptr,
+                            victims_ptr,
+                            cand_ptr,
+                            seg_ptr,
+                            segments,
+                            k_free,
+                            V,
+                        )
+                    else:  # a prepare's evict phase found them (this program, this or an earlier launch)
+                        slot = tl.load(slot_of_ptr + pos, mask=inb, other=-1)
                     flags = tl.load(flags_ptr + pos, mask=inb, other=0)
                     appended = ((flags & K.F_FIRST) != 0) & (slot >= 0)
                     q_off = tl.load(off + K.O_QUEUE)
@@ -382,7 +446,7 @@ def _slot_of(
     victims_ptr,
     cand_ptr,
     seg_ptr,
-    ctl_ptr,
+    segments,
     k_free,
     V,
 ):
@@ -396,7 +460,7 @@ def _slot_of(
     j0 = tl.load(chunk_off_ptr + (p0 // CHUNK) * K.OFF_WORDS + K.O_MISS, mask=moved, other=0)
     j0 += tl.load(miss_rank_ptr + p0, mask=moved, other=0)
     moved_slot = moved & (j0 < V)
-    victim = victim_slot(j0, moved_slot, k_free, victims_ptr, cand_ptr, seg_ptr, ctl_ptr, CHUNK)
+    victim = victim_slot(j0, moved_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK)
     slot = tl.where(on_gpu, home, victim)
     return tl.where(on_gpu | moved_slot, slot, -1)
 
@@ -408,6 +472,7 @@ def _write_homed(
     G,
     flags_ptr,
     home_ptr,
+    copy_row_ptr,
     rows_ptr,
     gpu_ptr,
     cpu_ptr,
@@ -420,7 +485,8 @@ def _write_homed(
     ROWS: tl.constexpr,
 ):
     """A write's rows for the elements ``e0 .. e0 + ROWS`` whose entries were homed before the call,
-    stored where they live (padding rows go to the dummy GPU slot ``G``, so the store needs no branch)."""
+    stored where they live (padding rows go to the dummy GPU slot ``G``, so the store needs no branch).
+    An entry rewritten on the GPU no longer matches a CPU copy it had."""
     g_row = gpu_ptr + write_layer * gpu_layer_stride
     c_row = cpu_ptr + write_layer * cpu_layer_stride
     e = e0 + tl.arange(0, ROWS)
@@ -432,6 +498,7 @@ def _write_homed(
     h = tl.where((f & K.F_PAD) != 0, G, h)
     row = tl.load(rows_ptr + e[:, None] * W + w[None, :], mask=em[:, None] & wm[None, :], other=0)
     tl.store(g_row + h.to(tl.int64)[:, None] * W + w[None, :], row, mask=to_gpu[:, None] & wm[None, :])
+    tl.store(copy_row_ptr + h, tl.full((ROWS,), -1, tl.int32), mask=em & ((f & K.F_GPU) != 0))
     tl.store(c_row + (h - G).to(tl.int64)[:, None] * W + w[None, :], row, mask=to_cpu[:, None] & wm[None, :])
 
 
@@ -511,6 +578,14 @@ def apply(
         scratch.seg,
         st.gctl[g],
         *st.pblru_args(g),
+        st.cpu_pos[g],
+        st.copy_slot[g],
+        st.copy_row[g],
+        scratch.copy_depth,
+        scratch.slot_of,
+        st.cpu_stack_size,
+        st.stats,
+        len(layers) * st.gpu_data.shape[-1],
         WRITE=write,
         POLICY=st.policy,
         CHUNK=K.CHUNK,
@@ -550,6 +625,9 @@ def apply_reference(
     local = write_layer - layers.start
     new_rows = rows.view(torch.uint8).reshape(T, -1) if write else None
 
+    pops = int(st.ctl[int(K.E_POPS)])
+    cap, stats, group_row_bytes = st.cpu_stack_size, st.stats, len(layers) * st.gpu_data.shape[-1]
+
     def misses(c: int):
         m_off = int(scratch.chunk_off[c, int(K.O_MISS)])
         for r in range(int(scratch.counts[c, int(K.C_NEED)])):
@@ -558,6 +636,14 @@ def apply_reference(
             v = victim[j] if j < V else None
             cpu_row = int(scratch.popped[j - k_free]) if j >= k_free else None
             yield p, int(flat[p]), int(scratch.home[p]), v, cpu_row
+
+    def clean_row(v: int, cpu_row: int) -> int | None:
+        """The free row holding victim slot ``v``'s bytes, if its eviction is clean."""
+        copy = int(st.copy_row[g, v])
+        if st.CACHE or copy < 0 or int(st.copy_slot[g, copy]) != v:
+            return None
+        deep = int(scratch.copy_depth[v]) >= pops  # below every row popped this call
+        return copy if deep or copy == cpu_row else None
 
     def slot_of(pos: int) -> int:
         flags, home = int(scratch.flags[pos]), int(scratch.home[pos])
@@ -569,24 +655,53 @@ def apply_reference(
             return victim[j0] if j0 < V else -1
         return -1
 
+    # Decided once, before any phase moves a row (apply's programs all read the state as the call
+    # began): which victims go back to their copies.
+    clean = {
+        v: clean_row(v, cpu_row)
+        for c in range(-(-T // C))
+        for _, _, _, v, cpu_row in misses(c)
+        if v is not None and cpu_row is not None
+    }
     for c in range(-(-T // C)):
         chunk = range(c * C, min(T, (c + 1) * C))
         if runs(K.PH_OUT) and not st.CACHE:
             for _, _, _, v, cpu_row in misses(c):
                 if v is not None and cpu_row is not None and int(st.owner[g, v]) >= 0:
-                    cpu[:, cpu_row] = gpu[:, v]
+                    if clean[v] is None:
+                        cpu[:, cpu_row] = gpu[:, v]
         if runs(K.PH_EVICT):
             for j, (_, _, _, v, cpu_row) in enumerate(
                 misses(c), start=int(scratch.chunk_off[c, int(K.O_MISS)])
             ):
                 evicting = v is not None and j >= k_free
                 old = int(st.owner[g, v]) if evicting else -1
+                if st.CACHE:
+                    if old >= 0:
+                        st.mapping[g, old] = int(K.M_UNHOMED)
+                        st.owner[g, v] = -1
+                    continue
+                if cpu_row is None:
+                    continue
+                copy = clean.get(v) if evicting else None
+                dest = cpu_row if copy is None else copy
+                st.copy_slot[g, dest] = -1
                 if old >= 0:
-                    st.mapping[g, old] = int(K.M_UNHOMED) if st.CACHE else G + cpu_row
+                    st.mapping[g, old] = G + dest
                     st.owner[g, v] = -1
+                    if copy is None:
+                        stats[int(K.S_BYTES_OUT)] += group_row_bytes
+                    else:
+                        stats[int(K.S_CLEAN)] += 1
+                    if copy is not None and copy != cpu_row:
+                        hole = int(st.cpu_pos[g, copy])
+                        st.cpu_free[g, hole] = cpu_row
+                        st.cpu_pos[g, cpu_row] = hole
             if not write:
                 for pos in chunk:
                     slots[pos] = slot_of(pos)
+                    if st.policy == K.EXACT_LRU:
+                        scratch.slot_of[pos] = slots[pos]
         if runs(K.PH_IN):
             for j, (p, _, src, v, cpu_row) in enumerate(
                 misses(c), start=int(scratch.chunk_off[c, int(K.O_MISS)])
@@ -615,6 +730,7 @@ def apply_reference(
                         gpu[local, G] = new_rows[pos]
                     elif flags & int(K.F_GPU):
                         gpu[local, home] = new_rows[pos]
+                        st.copy_row[g, home] = -1
                     elif flags & int(K.F_CPU):
                         cpu[local, home - G] = new_rows[pos]
         if runs(K.PH_COMMIT):
@@ -625,12 +741,17 @@ def apply_reference(
                 st.mapping[g, a] = v if v is not None else G + cpu_row
                 if v is not None:
                     st.owner[g, v] = a
+                    if not st.CACHE:
+                        st.copy_row[g, v] = src - G if src >= G else -1
                     if bitmaps is not None:
                         if cpu_row is not None:  # taken from a bucket (not a free slot)
                             bitmaps.clear(v, ref=rnd + 1)
                         bitmaps.place(v, rnd)
-                if src >= G:
-                    st.cpu_free[g, push] = src - G
+                if src >= G and not st.CACHE:  # its row, now a copy, to the bottom of the free list
+                    st.cpu_free[g, push % cap] = src - G
+                    st.cpu_pos[g, src - G] = push % cap
+                    if v is not None:
+                        st.copy_slot[g, src - G] = v
                     push += 1
             if bitmaps is not None:
                 bitmaps.store()

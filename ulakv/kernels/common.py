@@ -19,12 +19,14 @@ E_LAST_STATUS = tl.constexpr(2)  # final status of the last call (what validate 
 E_PENDING = tl.constexpr(3)  # sticky OR of failed calls' status (what deferred mode raises)
 E_KFREE = tl.constexpr(4)  # misses served from free GPU slots this call
 E_VICTIMS = tl.constexpr(5)  # misses that got a GPU slot this call (free or evicted)
-E_PUSH_BASE = tl.constexpr(6)  # where freed CPU slots are pushed on the CPU free stack
+E_PUSH_BASE = tl.constexpr(6)  # ring index where this call's swapped-in rows join the CPU free list
 E_DISTINCT = tl.constexpr(7)  # distinct addresses of the call in flight (counted by the claim)
 E_MAX_SELECTION = tl.constexpr(8)  # most distinct addresses a prepare may select (set at build)
 E_ARRIVED = tl.constexpr(9)  # classify programs done this call; the last one plans, then clears it
 E_SEGMENTS = tl.constexpr(10)  # segments of the call's candidate list (victims past the free slots)
-CTL_WORDS = 11
+E_POPS = tl.constexpr(11)  # free CPU rows popped this call (the top of the free list before it)
+CTL_WORDS = 12
+CTL_BLOCK = tl.constexpr(16)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.
 G_ROUND = tl.constexpr(0)  # rounds started by prepare
@@ -32,7 +34,8 @@ G_HEAD = tl.constexpr(1)  # LRU queue head (oldest entry), monotonically increas
 G_TAIL = tl.constexpr(2)  # LRU queue tail
 G_ROUND_TAIL = tl.constexpr(3)  # tail when the current round began: entries past it are protected
 G_GPU_FREE = tl.constexpr(4)  # entries on the GPU free-slot stack
-G_CPU_FREE = tl.constexpr(5)  # entries on the CPU free-slot stack
+G_CPU_FREE = tl.constexpr(5)  # rows on the CPU free list
+G_CPU_BOT = tl.constexpr(6)  # index of the free list's bottom row in its ring (``cpu_free``)
 GCTL_WORDS = 8
 
 # stats: cumulative counters.
@@ -43,6 +46,7 @@ S_BYTES_OUT = tl.constexpr(3)
 S_VICTIMS = tl.constexpr(4)
 S_SEARCH_READS = tl.constexpr(5)  # LRU: ring entries the head passed; PB-LRU: leaf words listed
 S_ROUND_READS = tl.constexpr(6)  # words read by end-of-round policy upkeep (PB-LRU's cold merge)
+S_CLEAN = tl.constexpr(7)  # evictions to a free CPU row that still held the entry's bytes: no copy
 STATS_WORDS = 8
 STAT_NAMES = (
     "hits",
@@ -52,6 +56,7 @@ STAT_NAMES = (
     "victims",
     "victim_search_reads",
     "round_upkeep_reads",
+    "clean_evictions",
 )
 
 # Policies, as the kernels' POLICY constexpr.

@@ -39,7 +39,15 @@ from . import buckets
 from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
-from .victims import BLOCK, _ring_candidates, ring_candidates_reference, victims_program, victims_reference
+from .victims import (
+    BLOCK,
+    _list_copy_depths,
+    _ring_candidates,
+    list_copy_depths_reference,
+    ring_candidates_reference,
+    victims_program,
+    victims_reference,
+)
 
 
 # Not specialised: T (batch size), N (capacity: a bounds check only, so pools of any size share the
@@ -89,6 +97,7 @@ def claim_kernel(
         "R",
         "frontier_size",
         "Qcap",
+        "C",
         "group_row_bytes",
         "layer_row_bytes",
     ],
@@ -103,6 +112,8 @@ def claim_kernel(
         "q_ver_ptr",
         "gpu_free_ptr",
         "cpu_free_ptr",
+        "cpu_pos_ptr",
+        "copy_row_ptr",
     ],
 )
 def classify_kernel(
@@ -137,6 +148,10 @@ def classify_kernel(
     Qcap,
     gpu_free_ptr,
     cpu_free_ptr,
+    C,
+    cpu_pos_ptr,
+    copy_row_ptr,
+    copy_depth_ptr,
     victims_ptr,
     popped_ptr,
     cand_ptr,
@@ -214,10 +229,11 @@ def classify_kernel(
     n_free = tl.load(gctl_ptr + K.G_GPU_FREE)
     gm = inb & (j < n_free)
     tl.store(victims_ptr + j, tl.load(gpu_free_ptr + (n_free - 1 - j), mask=gm, other=0), mask=gm)
+    n_cpu = tl.load(gctl_ptr + K.G_CPU_FREE)
+    top = tl.load(gctl_ptr + K.G_CPU_BOT) + n_cpu - 1  # the CPU free list's top, as a ring index
     if not CACHE:  # a buffer drops its victims: no CPU rows
-        top = tl.load(gctl_ptr + K.G_CPU_FREE)
-        cm = inb & (j < top)
-        tl.store(popped_ptr + j, tl.load(cpu_free_ptr + (top - 1 - j), mask=cm, other=0), mask=cm)
+        cm = inb & (j < n_cpu)
+        tl.store(popped_ptr + j, tl.load(cpu_free_ptr + (top - j) % C, mask=cm, other=0), mask=cm)
 
     if POLICY == K.EXACT_LRU:
         # -- candidates: this program's segment of the LRU ring ---------------------------------
@@ -234,6 +250,8 @@ def classify_kernel(
         )
         cand_rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
         tl.store(cand_ptr + pid.to(tl.int64) * CHUNK + cand_rank, s, mask=eligible)
+        if not CACHE:
+            _list_copy_depths(s, eligible, copy_row_ptr, cpu_pos_ptr, copy_depth_ptr, top, C)
         tl.store(seg_ptr + 2 * pid + 1, pid.to(tl.int64) * CHUNK)  # where the list starts in cand
         tl.store(seg_ptr + 2 * pid + 2, tl.sum(eligible.to(tl.int64), axis=0))  # its length
     else:
@@ -252,18 +270,21 @@ def classify_kernel(
             at = (tl.zeros((), tl.int64) + q) * CHUNK  # the range's first slot, and its list in cand
             slot = at + tl.arange(0, CHUNK)
             valid = slot < G
+            if not CACHE:  # whatever their bucket: one pass over the range
+                _list_copy_depths(slot, valid, copy_row_ptr, cpu_pos_ptr, copy_depth_ptr, top, C)
+            unprotected = valid & (tl.load(mark_ptr + slot, mask=valid, other=0) != epoch)
+            pair = tl.arange(0, 2)
             listed = tl.zeros((), dtype=tl.int64)
             for i in range(0, R):
                 bucket = tl.where(i == 0, R, (cur + i) % R).to(tl.int64)
                 word = tl.load(bits_ptr + bucket * BW + slot // 32, mask=valid, other=0)
-                held = valid & (((word >> (slot % 32).to(tl.int32)) & 1) != 0)
-                eligible = held & (tl.load(mark_ptr + slot, mask=held, other=0) != epoch)
+                eligible = unprotected & (((word >> (slot % 32).to(tl.int32)) & 1) != 0)
                 list_rank = tl.cumsum(eligible.to(tl.int64), axis=0) - 1
                 tl.store(cand_ptr + at + listed + list_rank, slot.to(tl.int32), mask=eligible)
                 k = (tl.zeros((), tl.int64) + i) * ranges + q  # candidate order: bucket by bucket
-                tl.store(seg_ptr + 2 * k + 1, at + listed)
                 n = tl.sum(eligible.to(tl.int64), axis=0)
-                tl.store(seg_ptr + 2 * k + 2, n)
+                # seg[2k + 1], seg[2k + 2]: where the list starts in cand, and its length (one store)
+                tl.store(seg_ptr + 2 * k + 1 + pair, tl.where(pair == 0, at + listed, n))
                 listed += n
 
     # -- the last program to arrive plans the call --------------------------------------------------
@@ -285,6 +306,10 @@ def classify_kernel(
             q_slot_ptr,
             q_ver_ptr,
             Qcap,
+            C,
+            copy_row_ptr,
+            cpu_pos_ptr,
+            copy_depth_ptr,
             mark_ptr,
             claim_ptr,
             cand_ptr,
@@ -345,6 +370,10 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         st.q_slot.shape[1],
         st.gpu_free[g],
         st.cpu_free[g],
+        st.cpu_stack_size,
+        st.cpu_pos[g],
+        st.copy_row[g],
+        scratch.copy_depth,
         scratch.victims,
         scratch.popped,
         scratch.cand,
@@ -426,18 +455,20 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
             counts[int(K.C_CPU_FIRST)] += first and on_cpu
         scratch.counts[chunk] = torch.tensor(counts, dtype=scratch.counts.dtype)
     # The tops of the free stacks, copied for the plan (at most one pop per element).
-    n_free, top = int(st.gctl[g, int(K.G_GPU_FREE)]), int(st.gctl[g, int(K.G_CPU_FREE)])
+    n_free, n_cpu = int(st.gctl[g, int(K.G_GPU_FREE)]), int(st.gctl[g, int(K.G_CPU_FREE)])
     k = min(T, n_free)
     scratch.victims[:k] = st.gpu_free[g, :n_free].flip(0)[:k]
     if not st.CACHE:
-        k = min(T, top)
-        scratch.popped[:k] = st.cpu_free[g, :top].flip(0)[:k]
+        free_rows = st.free_cpu_rows(g).flip(0)[: min(T, n_cpu)]  # top first
+        scratch.popped[: free_rows.numel()] = free_rows.to(scratch.popped.device)
     if st.policy == K.EXACT_LRU:
         gctl = st.gctl[g]
         head = int(gctl[int(K.G_HEAD)])
         limit = int(gctl[int(K.G_ROUND_TAIL)] if write else gctl[int(K.G_TAIL)])
         for chunk in range(-(-T // C)):
             slots = ring_candidates_reference(st, g, head + chunk * C, min(limit, head + (chunk + 1) * C))
+            if not st.CACHE:
+                list_copy_depths_reference(st, g, slots, scratch)
             scratch.cand[chunk * C : chunk * C + len(slots)] = torch.tensor(slots, dtype=torch.int32)
             scratch.seg[2 * chunk + 1] = chunk * C
             scratch.seg[2 * chunk + 2] = len(slots)
@@ -445,6 +476,8 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
         bitmaps = PBLRUBits(st, g)
         cur = int(st.gctl[g, int(K.G_ROUND)]) + (0 if write else 1)
         ranges = -(-G // C)
+        if not st.CACHE:
+            list_copy_depths_reference(st, g, list(range(G)), scratch)
         for q in range(ranges):
             listed = 0
             for i in range(bitmaps.R):

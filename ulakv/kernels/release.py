@@ -1,8 +1,9 @@
 """Release: return a request's addresses and slots, in every layer group, in one launch.
 
 One program walks the addresses in blocks; freed GPU slots get a new version (their LRU pairs turn
-stale) and go on the GPU free stack, freed CPU slots on the CPU free stack, in address order, so the
-result is deterministic. Not on the decode critical path: a request leaves once.
+stale) and go on the GPU free stack (a CPU copy of their entry is forgotten), freed CPU rows on top of
+the CPU free list (handed out before rows that hold copies), in address order, so the result is
+deterministic. Not on the decode critical path: a request leaves once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def release_kernel(
     ver_ptr,
     gpu_free_ptr,
     cpu_free_ptr,
+    cpu_pos_ptr,
+    copy_row_ptr,
     gctl_ptr,
     G,
     C,
@@ -48,7 +51,8 @@ def release_kernel(
     for g in range(num_groups):
         row = gctl_ptr + g * K.GCTL_WORDS
         gpu_top = tl.load(row + K.G_GPU_FREE)
-        cpu_top = tl.load(row + K.G_CPU_FREE)
+        cpu_top = tl.load(row + K.G_CPU_BOT) + tl.load(row + K.G_CPU_FREE)  # past the free list's top
+        cpu_count = tl.load(row + K.G_CPU_FREE)
         for i0 in range(0, n, BLOCK):
             im = i0 + ar < n
             a = tl.load(addr_ptr + i0 + ar, mask=im, other=0).to(tl.int64)
@@ -56,10 +60,12 @@ def release_kernel(
             on_gpu = im & (h >= 0) & (h < G)
             on_cpu = im & (h >= G)
             g_rank = gpu_top + tl.cumsum(on_gpu.to(tl.int64), axis=0) - 1
-            c_rank = cpu_top + tl.cumsum(on_cpu.to(tl.int64), axis=0) - 1
+            c_rank = (cpu_top + tl.cumsum(on_cpu.to(tl.int64), axis=0) - 1) % C
             tl.store(gpu_free_ptr + g * G + g_rank, h, mask=on_gpu)
             tl.store(cpu_free_ptr + g * C + c_rank, h - G, mask=on_cpu)
+            tl.store(cpu_pos_ptr + g * C + h - G, c_rank.to(tl.int32), mask=on_cpu)
             slot = g * G + h
+            tl.store(copy_row_ptr + slot, tl.full((BLOCK,), -1, tl.int32), mask=on_gpu)
             if POLICY == K.PBLRU:
                 stamp = tl.load(stamp_ptr + slot, mask=on_gpu, other=0)
                 ref = tl.load(row + K.G_ROUND) + 1
@@ -71,8 +77,9 @@ def release_kernel(
             tl.store(map_ptr + g * N + a, tl.full((BLOCK,), -1, tl.int32), mask=im)
             gpu_top += tl.sum(on_gpu.to(tl.int64), axis=0)
             cpu_top += tl.sum(on_cpu.to(tl.int64), axis=0)
+            cpu_count += tl.sum(on_cpu.to(tl.int64), axis=0)
         tl.store(row + K.G_GPU_FREE, gpu_top)
-        tl.store(row + K.G_CPU_FREE, cpu_top)
+        tl.store(row + K.G_CPU_FREE, cpu_count)
 
 
 def release(addrs, state) -> int:
@@ -89,6 +96,8 @@ def release(addrs, state) -> int:
         state.ver,
         state.gpu_free,
         state.cpu_free,
+        state.cpu_pos,
+        state.copy_row,
         state.gctl,
         state.gpu_slots,
         state.cpu_stack_size,
@@ -112,7 +121,8 @@ def release_reference(addrs, state) -> None:
         bitmaps = PBLRUBits(state, g) if state.policy == K.PBLRU else None
         ref = int(state.gctl[g, int(K.G_ROUND)]) + 1
         gpu_top = int(state.gctl[g, int(K.G_GPU_FREE)])
-        cpu_top = int(state.gctl[g, int(K.G_CPU_FREE)])
+        cpu_count = int(state.gctl[g, int(K.G_CPU_FREE)])
+        cpu_top = int(state.gctl[g, int(K.G_CPU_BOT)]) + cpu_count
         for a in addrs.tolist():
             h = int(state.mapping[g, a])
             if 0 <= h < G:
@@ -120,13 +130,17 @@ def release_reference(addrs, state) -> None:
                 gpu_top += 1
                 state.owner[g, h] = -1
                 state.ver[g, h] += 1
+                state.copy_row[g, h] = -1
                 if bitmaps is not None:
                     bitmaps.clear(h, ref)
             elif h >= G:
-                state.cpu_free[g, cpu_top] = h - G
+                at = cpu_top % state.cpu_stack_size
+                state.cpu_free[g, at] = h - G
+                state.cpu_pos[g, h - G] = at
                 cpu_top += 1
+                cpu_count += 1
             state.mapping[g, a] = -1
         state.gctl[g, int(K.G_GPU_FREE)] = gpu_top
-        state.gctl[g, int(K.G_CPU_FREE)] = cpu_top
+        state.gctl[g, int(K.G_CPU_FREE)] = cpu_count
         if bitmaps is not None:
             bitmaps.store()

@@ -71,7 +71,41 @@ def ring_candidates_reference(st, g: int, lo: int, hi: int) -> list[int]:
 
 
 @triton.jit
-def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, ctl_ptr, CHUNK: tl.constexpr):
+def _count_rows(counts_ptr, c, P):
+    """The per-chunk count rows of chunks ``c`` (below ``P``), int64 ``[len(c), 4]``, in one load."""
+    w = tl.arange(0, 4)[None, :]  # COUNT_WORDS
+    return tl.load(counts_ptr + c[:, None] * K.COUNT_WORDS + w, mask=(c < P)[:, None], other=0).to(tl.int64)
+
+
+@triton.jit
+def _column(counts, word):
+    """Column ``word`` of count rows."""
+    return tl.sum(tl.where(tl.arange(0, 4)[None, :] == word, counts, 0), axis=1)
+
+
+@triton.jit
+def _list_copy_depths(s, listed, copy_row_ptr, cpu_pos_ptr, copy_depth_ptr, top, C):
+    """For listed candidate slots ``s``: how deep below the top of the CPU free list, as the call
+    began, sits the row their copy names (junk where the copy is not intact: apply checks that).
+    Taken now because apply moves rows in the list while it decides which evictions are clean."""
+    copy = tl.load(copy_row_ptr + s, mask=listed, other=-1)
+    has = listed & (copy >= 0)
+    at = tl.load(cpu_pos_ptr + copy, mask=has, other=0)
+    tl.store(copy_depth_ptr + s, (((top - at) % C + C) % C).to(tl.int32), mask=has)
+
+
+def list_copy_depths_reference(st, g: int, slots: list[int], scratch) -> None:
+    """Plain-Python twin of ``_list_copy_depths``."""
+    cap, count = st.cpu_stack_size, int(st.gctl[g, int(K.G_CPU_FREE)])
+    top = int(st.gctl[g, int(K.G_CPU_BOT)]) + count - 1
+    for s in slots:
+        copy = int(st.copy_row[g, s])
+        if copy >= 0:
+            scratch.copy_depth[s] = (top - int(st.cpu_pos[g, copy])) % cap
+
+
+@triton.jit
+def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK: tl.constexpr):
     """GPU slot of victim ``j`` (a miss's index in the call's miss order): the free-stack copy for
     ``j < k_free``, else candidate ``j - k_free`` of the segmented list (segment ``s`` holds
     candidates ``seg[2s] .. seg[2s + 2]``, listed from ``cand[seg[2s + 1]]`` on), found by a binary
@@ -81,7 +115,7 @@ def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, ctl_ptr, CHUNK:
     taken = mask & (j >= k_free)
     r = (j - k_free).to(tl.int64)
     base = tl.zeros_like(r)
-    size = tl.load(ctl_ptr + K.E_SEGMENTS)
+    size = segments + 0
     while size > 1:
         half = size // 2
         below = tl.load(seg_ptr + 2 * (base + half), mask=taken, other=0) <= r
@@ -129,6 +163,10 @@ def victims_program(
     q_slot_ptr,
     q_ver_ptr,
     Qcap,
+    C,
+    copy_row_ptr,
+    cpu_pos_ptr,
+    copy_depth_ptr,
     mark_ptr,
     claim_ptr,
     cand_ptr,
@@ -158,12 +196,11 @@ def victims_program(
     MC = tl.zeros((), dtype=tl.int64)
     CF = tl.zeros((), dtype=tl.int64)
     for c0 in range(0, P, BLOCK):
-        row = counts_ptr + (c0 + ar) * K.COUNT_WORDS
-        cm = c0 + ar < P
-        H += tl.sum(tl.load(row + K.C_HITS, mask=cm, other=0), axis=0)
-        M += tl.sum(tl.load(row + K.C_NEED, mask=cm, other=0), axis=0)
-        MC += tl.sum(tl.load(row + K.C_NEED_CPU, mask=cm, other=0), axis=0)
-        CF += tl.sum(tl.load(row + K.C_CPU_FIRST, mask=cm, other=0), axis=0)
+        counts = _count_rows(counts_ptr, c0 + ar, P)
+        H += tl.sum(_column(counts, K.C_HITS), axis=0)
+        M += tl.sum(_column(counts, K.C_NEED), axis=0)
+        MC += tl.sum(_column(counts, K.C_NEED_CPU), axis=0)
+        CF += tl.sum(_column(counts, K.C_CPU_FIRST), axis=0)
     if not WRITE:
         if tl.load(ctl_ptr + K.E_MAX_SELECTION) < D:
             status = status | K.ST_TOO_LARGE
@@ -214,6 +251,9 @@ def victims_program(
                 )
                 rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
                 tl.store(cand_ptr + segments * CHUNK + rank, s, mask=eligible)
+                if not CACHE:
+                    top = tl.load(gctl_ptr + K.G_CPU_BOT) + tl.load(gctl_ptr + K.G_CPU_FREE) - 1
+                    _list_copy_depths(s, eligible, copy_row_ptr, cpu_pos_ptr, copy_depth_ptr, top, C)
                 run += tl.sum(eligible.to(tl.int64), axis=0)
                 tl.store(seg_ptr + 2 * segments + 1, segments * CHUNK)
                 tl.store(seg_ptr + 2 * segments + 2, run)
@@ -282,62 +322,65 @@ def victims_program(
         for c0 in range(0, P, BLOCK):
             c = c0 + ar
             cm = c < P
-            need = tl.load(counts_ptr + c * K.COUNT_WORDS + K.C_NEED, mask=cm, other=0).to(tl.int64)
-            need_cpu = tl.load(counts_ptr + c * K.COUNT_WORDS + K.C_NEED_CPU, mask=cm, other=0)
-            need_cpu = need_cpu.to(tl.int64)
-            hits = tl.load(counts_ptr + c * K.COUNT_WORDS + K.C_HITS, mask=cm, other=0).to(tl.int64)
+            counts = _count_rows(counts_ptr, c, P)
+            need = _column(counts, K.C_NEED)
+            need_cpu = _column(counts, K.C_NEED_CPU)
+            hits = _column(counts, K.C_HITS)
             m_off = m_run + tl.cumsum(need, axis=0) - need
             with_victim = tl.minimum(tl.maximum(V - m_off, 0), need)
             appended = hits + with_victim
             q_off = q_run + tl.cumsum(appended, axis=0) - appended
             push_off = push_run + tl.cumsum(need_cpu, axis=0) - need_cpu
-            row = chunk_off_ptr + c * K.OFF_WORDS
-            tl.store(row + K.O_MISS, m_off, mask=cm)
-            tl.store(row + K.O_QUEUE, q_off, mask=cm)
-            tl.store(row + K.O_PUSH, push_off, mask=cm)
+            # One store of the three offsets a chunk (its O_MISS, O_QUEUE, O_PUSH words).
+            w = tl.arange(0, 4)[None, :]
+            offsets = tl.where(
+                w == K.O_MISS, m_off[:, None], tl.where(w == K.O_QUEUE, q_off[:, None], push_off[:, None])
+            )
+            tl.store(
+                chunk_off_ptr + c[:, None] * K.OFF_WORDS + w, offsets, mask=cm[:, None] & (w < K.OFF_WORDS)
+            )
             m_run += tl.sum(need, axis=0)
             q_run += tl.sum(appended, axis=0)
             push_run += tl.sum(need_cpu, axis=0)
 
-        # -- CPU rows: every miss past the free GPU slots pops one (for the entry it evicts, or for
-        # itself when a write finds no slot); every miss that came from the CPU frees its row, after
-        # its mapping moved. The classify programs copied the stack's top to scratch, so the pushes
-        # can reuse the popped region of the stack without racing apply's readers of the pops.
+        # -- CPU rows: every miss past the free GPU slots pops one off the free list's top (for the
+        # entry it evicts, or for itself when a write finds no slot); every miss that came from the
+        # CPU leaves its row, which still holds its bytes, at the bottom, after its mapping moved.
+        # The classify programs copied the top to scratch, so the bottom may wrap over the popped
+        # region without racing apply's readers of the pops.
         pops = M - k_free
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
-        top = tl.load(gctl_ptr + K.G_CPU_FREE)
+        n_cpu = tl.load(gctl_ptr + K.G_CPU_FREE)
+        bottom = (tl.load(gctl_ptr + K.G_CPU_BOT) - push_run + C) % C
 
         tl.store(gctl_ptr + K.G_HEAD, head)
         tl.store(gctl_ptr + K.G_TAIL, q_run)
         tl.store(gctl_ptr + K.G_ROUND_TAIL, round_tail)
         tl.store(gctl_ptr + K.G_GPU_FREE, n_free)
-        tl.store(gctl_ptr + K.G_CPU_FREE, top - pops + push_run)
+        tl.store(gctl_ptr + K.G_CPU_FREE, n_cpu - pops + push_run)
+        tl.store(gctl_ptr + K.G_CPU_BOT, bottom)
         tl.store(ctl_ptr + K.E_KFREE, k_free)
         tl.store(ctl_ptr + K.E_VICTIMS, V)
         tl.store(ctl_ptr + K.E_SEGMENTS, segments)
-        tl.store(ctl_ptr + K.E_PUSH_BASE, top - pops)
+        tl.store(ctl_ptr + K.E_PUSH_BASE, bottom)
+        tl.store(ctl_ptr + K.E_POPS, pops)
 
-        evicted = V - k_free
+        # Evictions' bytes out are counted by apply, which knows which were clean.
         if WRITE:
             cpu_rows = CF + (M - V)  # written in place on the CPU, or new entries homed there
             tl.store(
                 stats_ptr + K.S_BYTES_OUT,
-                tl.load(stats_ptr + K.S_BYTES_OUT) + evicted * group_row_bytes + cpu_rows * layer_row_bytes,
+                tl.load(stats_ptr + K.S_BYTES_OUT) + cpu_rows * layer_row_bytes,
             )
         else:
             tl.store(stats_ptr + K.S_HITS, tl.load(stats_ptr + K.S_HITS) + H)
             tl.store(stats_ptr + K.S_MISSES, tl.load(stats_ptr + K.S_MISSES) + M)
             fetched = MC  # a tier swaps in its CPU-resident misses
-            dropped = evicted  # and swaps its victims out
             if CACHE:  # a buffer fetches every miss and drops its victims
                 fetched = M
-                dropped = evicted * 0
             tl.store(stats_ptr + K.S_BYTES_IN, tl.load(stats_ptr + K.S_BYTES_IN) + fetched * group_row_bytes)
-            tl.store(
-                stats_ptr + K.S_BYTES_OUT,
-                tl.load(stats_ptr + K.S_BYTES_OUT) + dropped * group_row_bytes,
-            )
+        evicted = V - k_free
         tl.store(stats_ptr + K.S_VICTIMS, tl.load(stats_ptr + K.S_VICTIMS) + evicted)
         tl.store(stats_ptr + K.S_SEARCH_READS, tl.load(stats_ptr + K.S_SEARCH_READS) + scanned)
         tl.store(stats_ptr + K.S_ROUND_READS, tl.load(stats_ptr + K.S_ROUND_READS) + round_reads)
@@ -412,6 +455,8 @@ def victims_reference(
             while run < M - k_free and scanned_from + segments * C < round_tail:
                 lo = scanned_from + segments * C
                 slots = ring_candidates_reference(st, g, lo, min(round_tail, lo + C))
+                if not st.CACHE:
+                    list_copy_depths_reference(st, g, slots, scratch)
                 at = segments * C
                 scratch.cand[at : at + len(slots)] = torch.tensor(slots, dtype=torch.int32)
                 run += len(slots)
@@ -451,12 +496,14 @@ def victims_reference(
             push_run += counts[c][int(K.C_NEED_CPU)]
             j += need
         pops = 0 if st.CACHE else M - k_free  # copied to scratch.popped by the classify
-        top = int(gctl[int(K.G_CPU_FREE)])
+        bottom = (int(gctl[int(K.G_CPU_BOT)]) - push_run) % st.cpu_stack_size
         gctl[int(K.G_HEAD)] = head
         gctl[int(K.G_TAIL)] = q_run
         gctl[int(K.G_ROUND_TAIL)] = round_tail
         gctl[int(K.G_GPU_FREE)] = n_free
-        gctl[int(K.G_CPU_FREE)] = top - pops + push_run
+        gctl[int(K.G_CPU_FREE)] += push_run - pops
+        gctl[int(K.G_CPU_BOT)] = bottom
+        ctl[int(K.E_POPS)] = pops
         ctl[int(K.E_KFREE)] = k_free
         ctl[int(K.E_VICTIMS)] = V
         ctl[int(K.E_SEGMENTS)] = segments
@@ -465,15 +512,14 @@ def victims_reference(
         assert listed == victims[k_free:], (
             f"candidate lists give {listed[:8]}, the policy {victims[k_free:8]}"
         )
-        ctl[int(K.E_PUSH_BASE)] = top - pops
+        ctl[int(K.E_PUSH_BASE)] = bottom
         evicted = V - k_free
         if write:
-            stats[int(K.S_BYTES_OUT)] += evicted * group_row_bytes + (CF + M - V) * layer_row_bytes
+            stats[int(K.S_BYTES_OUT)] += (CF + M - V) * layer_row_bytes
         else:
             stats[int(K.S_HITS)] += H
             stats[int(K.S_MISSES)] += M
             stats[int(K.S_BYTES_IN)] += (M if st.CACHE else MC) * group_row_bytes
-            stats[int(K.S_BYTES_OUT)] += 0 if st.CACHE else evicted * group_row_bytes
         stats[int(K.S_VICTIMS)] += evicted
         stats[int(K.S_SEARCH_READS)] += scanned
         stats[int(K.S_ROUND_READS)] += round_reads

@@ -296,7 +296,7 @@ class TieredPool(PoolFrame):
         """
         self._need_kernels("check_invariants")
         self._finish_pending()
-        check_invariants(self._state, self._allocator)
+        check_invariants(self._state, self._allocator, self.config.group_layers)
 
     def _after_call(self) -> None:
         """Under ``ULAKV_DEBUG=1``, check the whole state first (``PoolFrame._after_call``). Then, if

@@ -26,11 +26,18 @@ from ..kernels.buckets import level_offsets
 from ..transfer import Phase, TransferPlan
 
 
-def _fill_stack(stack: torch.Tensor, count: int) -> None:
-    """Free-slot stack whose top (highest index) is slot 0, so a fresh pool hands out 0, 1, 2..."""
+def _fill_stack(stack: torch.Tensor, count: int, position: torch.Tensor | None = None) -> None:
+    """Free-slot stack whose top (highest index) is slot 0, so a fresh pool hands out 0, 1, 2...;
+    ``position`` (if given) gets each slot's index in the stack."""
     stack.zero_()
     if count:
         stack[:, :count] = torch.arange(count - 1, -1, -1, dtype=stack.dtype, device=stack.device)
+    if position is not None:
+        position.zero_()
+        if count:
+            position[:, :count] = torch.arange(
+                count - 1, -1, -1, dtype=position.dtype, device=position.device
+            )
 
 
 class _Tensors:
@@ -53,7 +60,14 @@ class TieredState(_Tensors):
     q_slot: torch.Tensor  # int32 [groups, 2G]: LRU ring, oldest at gctl[G_HEAD]
     q_ver: torch.Tensor  # int32 [groups, 2G]
     gpu_free: torch.Tensor  # int32 [groups, G]: stack of free GPU slots
-    cpu_free: torch.Tensor  # int32 [groups, max(C, 1)]: stack of free CPU rows (C includes staging)
+    # Free CPU rows (C includes staging): a deque in a ring, ``gctl[G_CPU_BOT]`` its bottom index,
+    # ``gctl[G_CPU_FREE]`` its length. Pops take the top; rows freed by a release go on top; the row
+    # a swap-in leaves, which still holds the entry's bytes (a *copy*), goes to the bottom, so
+    # plain free rows are handed out first and copies survive longest.
+    cpu_free: torch.Tensor  # int32 [groups, max(C, 1)]
+    cpu_pos: torch.Tensor  # int32 [groups, max(C, 1)]: index of each free row in cpu_free
+    copy_slot: torch.Tensor  # int32 [groups, max(C, 1)]: GPU slot whose entry a free row copies, -1
+    copy_row: torch.Tensor  # int32 [groups, G]: free row copying the slot's entry, -1 (both must agree)
     stamp: torch.Tensor  # int32 [groups, G]: PB-LRU, round a slot was last used
     bits: torch.Tensor  # int32 [groups, (buckets + 1) * bucket_words]: PB-LRU bitmaps + summaries
     levels: torch.Tensor  # int64 [levels + 1]: word offset of each summary level in a bucket
@@ -80,6 +94,9 @@ class TieredState(_Tensors):
         "q_ver",
         "gpu_free",
         "cpu_free",
+        "cpu_pos",
+        "copy_slot",
+        "copy_row",
         "stamp",
         "bits",
         "gctl",
@@ -121,6 +138,9 @@ class TieredState(_Tensors):
             frontier=torch.empty((2, offsets[1]), **i32),
             gpu_free=torch.empty((groups, G), **i32),
             cpu_free=torch.empty((groups, max(C, 1)), **i32),
+            cpu_pos=torch.empty((groups, max(C, 1)), **i32),
+            copy_slot=torch.empty((groups, max(C, 1)), **i32),
+            copy_row=torch.empty((groups, G), **i32),
             gctl=torch.empty((groups, K.GCTL_WORDS), **i64),
             ctl=torch.zeros(K.CTL_WORDS, **i64),
             stats=torch.zeros(K.STATS_WORDS, **i64),
@@ -148,7 +168,9 @@ class TieredState(_Tensors):
         self.stamp.zero_()
         self.bits.zero_()
         _fill_stack(self.gpu_free, self.gpu_slots)
-        _fill_stack(self.cpu_free, self.cpu_slots)
+        _fill_stack(self.cpu_free, self.cpu_slots, self.cpu_pos)
+        self.copy_slot.fill_(-1)
+        self.copy_row.fill_(-1)
         self.gctl.zero_()
         self.gctl[:, int(K.G_GPU_FREE)] = self.gpu_slots
         self.gctl[:, int(K.G_CPU_FREE)] = self.cpu_slots
@@ -164,7 +186,14 @@ class TieredState(_Tensors):
 
     @property
     def cpu_stack_size(self) -> int:
+        """Length of the free list's ring."""
         return self.cpu_free.shape[1]
+
+    def free_cpu_rows(self, g: int) -> torch.Tensor:
+        """Group ``g``'s free CPU rows, bottom first (host copy; tests and checks only)."""
+        count, bot = (int(x) for x in self.gctl[g, [int(K.G_CPU_FREE), int(K.G_CPU_BOT)]].tolist())
+        at = (bot + torch.arange(count)) % self.cpu_stack_size
+        return self.cpu_free[g].cpu()[at]
 
     @property
     def num_groups(self) -> int:
@@ -236,12 +265,16 @@ class CallScratch(_Tensors):
     popped: torch.Tensor  # int32 [cap]: the top of the free CPU-row stack (the rows popped)
     cand: torch.Tensor  # int32 [lists * CHUNK]: eviction candidates, listed by the classify
     seg: torch.Tensor  # int64 [2 * segments + 1]: each segment's first rank and place in cand
+    copy_depth: torch.Tensor  # int32 [G]: a listed candidate's copy's depth in the CPU free list
+    slot_of: torch.Tensor  # int32 [cap]: a prepare's slot of each element, as its evict phase wrote it
 
     @classmethod
-    def allocate(cls, capacity: int, device: torch.device, lists: int = 1, segments: int = 1) -> CallScratch:
+    def allocate(
+        cls, capacity: int, device: torch.device, lists: int = 1, segments: int = 1, slots: int = 1
+    ) -> CallScratch:
         """Scratch for ``capacity`` elements. Eviction candidates come in ``lists`` lists of
         ``CHUNK`` (the LRU ring's length, or the GPU slots, over ``CHUNK``) cut in ``segments``
-        segments (exact LRU: one a list; PB-LRU: one a list and bucket)."""
+        segments (exact LRU: one a list; PB-LRU: one a list and bucket), among ``slots`` GPU slots."""
         chunks = triton.cdiv(capacity, K.CHUNK)
         lists, segments = max(chunks, lists), max(chunks, segments)
         i32 = dict(dtype=torch.int32, device=device)
@@ -258,6 +291,8 @@ class CallScratch(_Tensors):
             popped=torch.empty(capacity, **i32),
             cand=torch.empty(lists * K.CHUNK, **i32),
             seg=torch.empty(2 * segments + 1, dtype=torch.int64, device=device),
+            copy_depth=torch.empty(max(slots, 1), **i32),
+            slot_of=torch.empty(capacity, **i32),
         )
 
     @property
@@ -307,6 +342,7 @@ class TieredLayout:
             self.config.torch_device,
             lists=max(ring_lists, slot_lists),
             segments=max(ring_lists, slot_lists * max(st.num_buckets, 1)),
+            slots=st.gpu_slots,
         )
         if not self._reserved:
             self._scratch = fresh
