@@ -447,7 +447,7 @@ def _gpu_free_stack_lists_a_used_slot(st, addrs):
 
 
 def _cpu_row_leaks(st, addrs):
-    st.gctl[0, int(K.G_CPU_FREE)] -= 1  # a free CPU row falls off the stack
+    st.gctl[0, int(K.G_CPU_FREE)] -= 1  # a free CPU row falls off the list
 
 
 def _lru_entry_forgotten(st, addrs):
@@ -476,7 +476,7 @@ STRUCTURAL = [
     ("home-out-of-range", None, 6, _home_out_of_range, "out of range"),
     ("owner-disagrees", None, 6, _owner_disagrees, "owner"),
     ("gpu-free-stack-used-slot", None, 6, _gpu_free_stack_lists_a_used_slot, "GPU free stack"),
-    ("cpu-row-leaks", None, 6, _cpu_row_leaks, "CPU free stack"),
+    ("cpu-row-leaks", None, 6, _cpu_row_leaks, "CPU free list"),
     ("lru-entry-forgotten", ExactLRU(), 6, _lru_entry_forgotten, "LRU order"),
     ("slot-in-two-buckets", PBLRU(3), 6, _slot_in_two_buckets, "buckets"),
     ("bucket-lists-a-phantom-slot", PBLRU(3), 6, _phantom_slot, "past the"),
@@ -492,3 +492,82 @@ def test_the_structural_check_sees_each_kind_of_damage(policy, gpu_slots, damage
     damage(pool._state, addrs)
     with pytest.raises(InvariantError, match=message):
         check_invariants(pool._state, pool._allocator)
+
+
+# -- copies: the rows a clean eviction would trust -----------------------------------------------
+
+
+def _a_copy(st) -> tuple[int, int]:
+    """(slot, row) of a copy in group 0 that a clean eviction would trust: ``_at_rest``'s swap-ins
+    left one for each of the two addresses its prepare brought in."""
+    copy_row, copy_slot = st.copy_row[0].tolist(), st.copy_slot[0].tolist()
+    pairs = [(s, r) for s, r in enumerate(copy_row) if r >= 0 and copy_slot[r] == s]
+    assert pairs, "the state at rest must hold a copy"
+    return pairs[0]
+
+
+def _copy_bytes_changed(st, addrs):
+    _, row = _a_copy(st)
+    st.cpu_data[0, row, WIDTH - 1] ^= 1  # layer 0: group 0's only layer
+
+
+def _free_row_misplaced(st, addrs):
+    row = int(st.free_cpu_rows(0)[0])
+    st.cpu_pos[0, row] = (int(st.cpu_pos[0, row]) + 1) % st.cpu_stack_size
+
+
+def _copy_names_a_home(st, addrs):
+    slot, _ = _a_copy(st)
+    home = int(st.mapping[0, _cpu_homed(st, addrs)[0]]) - st.gpu_slots
+    st.copy_row[0, slot] = home
+    st.copy_slot[0, home] = slot
+
+
+def _copy_past_the_rows(st, addrs):
+    slot, _ = _a_copy(st)
+    st.copy_row[0, slot] = st.cpu_slots
+
+
+COPY_DAMAGE = [
+    ("lru-copy-bytes-changed", ExactLRU(), _copy_bytes_changed, "no longer holds its GPU slot's bytes"),
+    ("pblru-copy-bytes-changed", PBLRU(3), _copy_bytes_changed, "no longer holds its GPU slot's bytes"),
+    ("free-row-misplaced", ExactLRU(), _free_row_misplaced, "recorded place in the free list is wrong"),
+    ("copy-names-a-home", ExactLRU(), _copy_names_a_home, "someone's home is taken for a copy"),
+    ("pblru-copy-names-a-home", PBLRU(3), _copy_names_a_home, "someone's home is taken for a copy"),
+    ("copy-past-the-rows", ExactLRU(), _copy_past_the_rows, "past the CPU rows"),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "damage", "message"), [c[1:] for c in COPY_DAMAGE], ids=[c[0] for c in COPY_DAMAGE]
+)
+def test_the_structural_check_sees_each_kind_of_damage_to_copies(policy, damage, message) -> None:
+    pool, addrs = _at_rest(policy, 6)
+    st = pool._state
+    check_invariants(st, pool._allocator, pool.config.group_layers)  # sound, bytes included
+    damage(st, addrs)
+    with pytest.raises(InvariantError, match=message):
+        check_invariants(st, pool._allocator, pool.config.group_layers)
+
+
+def test_the_copy_check_compares_every_layer_of_the_group() -> None:
+    """A copy damaged in the second layer of a two-layer group: caught when the check is given the
+    groups' layers, and (as documented) not looked at without them."""
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=WIDTH),
+            num_layers=3,
+            layers_per_group=2,
+            layout=Tiered(gpu_slots=4, cpu_slots=6),
+        )
+    )
+    seq = pool.admit(num_tokens=8)
+    write_all(pool, seq.addresses, torch.Generator().manual_seed(2))
+    pool.prepare(0, seq.addresses[[5]].view(1, 1))  # on the CPU: swaps in, leaving a copy
+    st = pool._state
+    check_invariants(st, pool._allocator, pool.config.group_layers)
+    _, row = _a_copy(st)
+    st.cpu_data[1, row, 0] ^= 0x80
+    check_invariants(st, pool._allocator)  # bytes unchecked
+    with pytest.raises(InvariantError, match="no longer holds its GPU slot's bytes"):
+        check_invariants(st, pool._allocator, pool.config.group_layers)
