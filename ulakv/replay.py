@@ -350,13 +350,15 @@ def replay(
     backend: str = "pool",
     on_step: Callable[[int], None] | None = None,
     layout: LayoutConfig | None = None,
+    belady: bool = True,
 ) -> ReplayResult:
     """Run ``trace`` with ``gpu_slots`` GPU slots per group and ``policy``; the CPU tier holds
     everything, so capacity never binds. ``backend="pool"`` runs a real pool (its kernels);
     ``"model"`` runs the policies' plain models, which decide the same (word counts excepted).
     ``layout`` replaces the tiered layout: a ``Striped`` rank, for instance, whose buffer of
     ``gpu_slots`` is what the hits, misses and Belady figures describe, or a baseline;
-    ``ReplayResult.pool_stats`` keeps the pool's own counters."""
+    ``ReplayResult.pool_stats`` keeps the pool's own counters. ``belady=False`` skips the Belady
+    bound (its hit rate is then NaN): byte studies of long traces do not need it."""
     groups = trace.groups
     total_tokens = sum(r.prompt_len + r.steps for r in trace.requests)
     cfg = PoolConfig(
@@ -412,7 +414,7 @@ def replay(
             on_step(step)
     stats = target.counters()
     best_hits = best_misses = 0
-    for g in range(groups):
+    for g in range(groups if belady else 0):
         h, m = belady_hits(events[g], gpu_slots)
         best_hits += h
         best_misses += m
@@ -426,7 +428,7 @@ def replay(
         hits=stats["hits"],
         misses=stats["misses"],
         hit_rate=stats["hits"] / accesses if accesses else 0.0,
-        belady_hit_rate=best_hits / (best_hits + best_misses) if accesses else 0.0,
+        belady_hit_rate=best_hits / (best_hits + best_misses) if accesses and belady else float("nan"),
         bytes_in_per_step=stats["bytes_in"] / steps,
         bytes_out_per_step=stats["bytes_out"] / steps,
         victims=stats["victims"],
