@@ -27,6 +27,7 @@ from ulakv import (
 from ulakv.address_space import LogicalAllocator
 from ulakv.invariants import check_invariants
 from ulakv.kernels import common as K
+from ulakv.kernels import release as release_mod
 from ulakv.layouts.tiered_state import TieredState
 
 # The API names no class for a layer or group index out of range, nor for a bad token count; these
@@ -283,6 +284,17 @@ def assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
             f"{where}{key}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
         )
         assert torch.equal(x, y), f"{where}{key} differs:\n{x}\n{y}"
+
+
+def release_against_reference(pool: Pool, seq) -> None:
+    """Release ``seq`` through the kernel and, on a copy of the state, through its reference: the
+    two states must agree word for word; the allocator takes the addresses back."""
+    st_ref = pool._state.clone()
+    release_mod.release(seq.addresses, pool._state)
+    release_mod.release_reference(seq.addresses, st_ref)
+    assert_tensors_equal(pool._state.tensors(), st_ref.tensors(), "release: ")
+    pool._allocator.give_back(seq._runs)
+    seq.released = True
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -20,14 +20,13 @@ from helpers import (
     addr_tensor,
     assert_reads,
     assert_same_state,
-    assert_tensors_equal,
     fill,
     random_rows,
+    release_against_reference,
 )
 from test_kernels import run_stagewise
 
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
-from ulakv.kernels import release as release_mod
 from ulakv.policies import ExactLRUModel, PBLRUModel
 from ulakv.policies.cpu_tier import CPUTierModel
 from ulakv.transfer import PlanInterrupted, interrupt_after
@@ -534,12 +533,7 @@ def test_stages_match_reference_with_clean_evictions(
                 )
         elif op == "release" and len(seqs) > 1:
             seq = seqs.pop(rng.randrange(len(seqs)))
-            st_ref = pool._state.clone()
-            release_mod.release(seq.addresses, pool._state)
-            release_mod.release_reference(seq.addresses, st_ref)
-            assert_tensors_equal(pool._state.tensors(), st_ref.tensors(), "release: ")
-            pool._allocator.give_back(seq._runs)
-            seq.released = True
+            release_against_reference(pool, seq)
         elif op == "rewrite":  # of an entry with a copy where there is one: ends the copy
             with_copies = [x for x in range(layers) if copies(pool, pool.config.group_of(x))]
             layer = rng.choice(with_copies or list(range(layers)))

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from helpers import assert_tensors_equal, pool_config, random_rows, small_pool
+from helpers import assert_tensors_equal, pool_config, random_rows, release_against_reference, small_pool
 
 from ulakv import PBLRU, ExactLRU, Tiered
 from ulakv.address_space import LogicalAllocator
@@ -20,7 +20,6 @@ from ulakv.kernels import apply as apply_mod
 from ulakv.kernels import common as K
 from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import lookup as lookup_mod
-from ulakv.kernels import release as release_mod
 from ulakv.kernels.operands import as_words, readable_rows
 from ulakv.layouts.tiered_state import REFERENCE, TRITON, BufferState, TieredLayout
 from ulakv.transfer import Phase
@@ -122,12 +121,7 @@ def test_stages_match_reference_under_random_traffic(gpu, cpu, width, layers, pe
                 )
         elif op < 0.45 and seqs:
             seq = seqs.pop(rng.randrange(len(seqs)))
-            st_ref = pool._state.clone()
-            release_mod.release(seq.addresses, pool._state)
-            release_mod.release_reference(seq.addresses, st_ref)
-            assert_tensors_equal(pool._state.tensors(), st_ref.tensors(), "release: ")
-            pool._allocator.give_back(seq._runs)
-            seq.released = True
+            release_against_reference(pool, seq)
         elif live:
             group = rng.randrange(pool.num_groups)
             cand = rng.sample(live, min(len(live), gpu, 12))
