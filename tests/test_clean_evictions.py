@@ -281,6 +281,49 @@ def test_plain_free_rows_are_handed_out_before_copies(policy) -> None:
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_clean_victims_of_a_prepare_pop_nothing_and_their_misses_fill_the_holes(policy) -> None:
+    """A prepare whose misses all come from the CPU: its clean victims pop no row, each miss whose
+    victim was clean leaves its row in that victim's copy's place, and the top of the free list (the
+    plain rows) is untouched. A write evicting clean instead pops a row per victim and puts it in
+    the copy's place."""
+    pool = tiered(policy, gpu=4, cpu=6, width=12)
+    model = RowModel(12)
+    a = pool.admit(8).addresses.tolist()
+    fill(pool, model, a, seed=2)
+    assert split(pool, 0, a) == (a[:4], a[4:])
+    rb = row_bytes(pool, 0)
+    row = {x: cpu_row(pool, 0, x) for x in a[4:]}
+    plain = free_rows(pool, 0)
+    pool.prepare(0, addr_tensor([[a[4], a[5]]]))  # a0, a1 leave (dirty) for the two top rows
+    pool.prepare(0, addr_tensor([[a[2], a[3]]]))  # hits: a4 and a5 are now the oldest
+    assert free_rows(pool, 0) == [row[a[4]], row[a[5]], *plain[:-2]]
+    assert len(plain) - 2 >= 2, "the copies must lie deeper than the call pops"
+
+    s0 = pool.stats()
+    pool.prepare(0, addr_tensor([[a[6], a[7]]]))  # evicts a4 and a5, both clean
+    assert deltas(s0, pool.stats()) == counts(misses=2, bytes_in=2 * rb, victims=2, clean_evictions=2)
+    assert (cpu_row(pool, 0, a[4]), cpu_row(pool, 0, a[5])) == (row[a[4]], row[a[5]])
+    assert free_rows(pool, 0) == [row[a[6]], row[a[7]], *plain[:-2]]  # holes filled, top as it was
+    assert copies(pool, 0) == {a[6]: row[a[6]], a[7]: row[a[7]]}
+    assert_reads(pool, model, a)
+    pool.check_invariants()
+
+    # A write of two new entries evicts a6 and a7 (a2, a3 were used after them): clean, but a write
+    # does not fill, so each pops a top row, which takes its copy's place.
+    pool.prepare(0, addr_tensor([[a[2], a[3]]]))
+    new = pool.admit(2).addresses.tolist()
+    top = free_rows(pool, 0)[-2:]
+    s0 = pool.stats()
+    for layer in pool.group_layers(0):
+        model.write(pool, layer, addr_tensor(new), random_rows(50 + layer, 2, 12))
+    assert deltas(s0, pool.stats())["clean_evictions"] == 2
+    assert (cpu_row(pool, 0, a[6]), cpu_row(pool, 0, a[7])) == (row[a[6]], row[a[7]])
+    assert free_rows(pool, 0) == [top[1], top[0], *plain[:-4]]
+    assert_reads(pool, model, a + new)
+    pool.check_invariants()
+
+
 # --------------------------------------------------------------------------------------------------
 # 4. a tight CPU tier: pops reach the copies
 
@@ -624,8 +667,7 @@ def test_pool_follows_the_cpu_tier_model_row_for_row(policy) -> None:
             pool.prepare(0, addr_tensor(flat).view(2, 3))
             _, misses, victims = order.prepare(flat)
             before = tier.clean_evictions
-            bytes_out += tier.place(victims, []) * W
-            tier.swap_in(misses)  # every entry was written: misses come from the CPU
+            bytes_out += tier.prepare(victims, misses) * W
             clean_seen += tier.clean_evictions - before
             ended_seen += sum(1 for a, r in held.items() if a not in victims and tier.copy_of.get(r) != a)
         agree(step)

@@ -22,7 +22,7 @@ from ulakv.errors import InvariantError
 from ulakv.invariants import check_invariants
 from ulakv.kernels import common as K
 from ulakv.kernels.buckets import PBLRUBits
-from ulakv.kernels.victims import victim_location
+from ulakv.kernels.victims import plant_victim
 from ulakv.layouts.tiered_state import REFERENCE, TRITON, Kernels
 from ulakv.transfer import Phase, PlanInterrupted, interrupt_after
 
@@ -215,17 +215,18 @@ def keep_in_bucket(st, g: int, old: int, new: int, old_stamp: int) -> None:
 
 def corrupting(choose) -> Kernels:
     """The reference plan stage, then one victim replaced by ``choose(st, g, scratch, T, k_free,
-    V)``'s slot. The state is mended so that it stays consistent (the structural check passes)."""
+    V)``'s slot. The state is mended so that it stays consistent (the structural check passes).
+    The group's CPU copies are forgotten first (a state without copies is a valid one): a clean
+    victim pops no row, so planting another slot in its place would unbalance the free list."""
 
     def plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes) -> int:
+        st.copy_row[g].fill_(-1)
         stamps = st.stamp[g].clone()
         launches = REFERENCE.plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes)
         k_free, V = int(st.ctl[int(K.E_KFREE)]), int(st.ctl[int(K.E_VICTIMS)])
         assert k_free < V, "the scenario must evict"
         j, new = choose(st, g, scratch, sel.numel(), k_free, V)
-        where, i = victim_location(scratch, st.ctl.tolist(), j)
-        old = int(where[i])
-        where[i] = new
+        old = plant_victim(scratch, st.ctl.tolist(), j, new)
         if st.policy == K.EXACT_LRU:
             keep_in_lru_order(st, g, old)
         else:

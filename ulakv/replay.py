@@ -235,8 +235,7 @@ class _ModelTarget(_AddressBook):
     def prepare(self, group: int, rows: list[list[int]], keys: list[int]) -> None:
         hits, misses, victims = self.models[group].prepare([a for row in rows for a in row])
         row_bytes = len(self.cfg.group_layers(group)) * self.cfg.entry.bytes_per_layer
-        copied = self.tiers[group].place(victims, [])
-        self.tiers[group].swap_in(misses)  # every entry was written: misses come from the CPU
+        copied = self.tiers[group].prepare(victims, misses)
         self.stats["hits"] += len(hits)
         self.stats["misses"] += len(misses)
         self.stats["bytes_in"] += len(misses) * row_bytes

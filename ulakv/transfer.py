@@ -26,7 +26,7 @@ import torch
 
 from .errors import UlakvError
 from .kernels import common as K
-from .kernels.victims import victim_slots
+from .kernels.victims import victim_cleans, victim_slots
 
 
 class Phase(enum.IntEnum):
@@ -83,8 +83,10 @@ class TransferPlan:
 
     def describe(self) -> dict[str, torch.Tensor]:
         """The plan's moves as host tensors (synchronises; for tests and debugging): per miss its
-        selection position, address, source home (mapping value), destination GPU slot (-1: none)
-        and the CPU row that receives its victim or itself (-1: none)."""
+        selection position, address, source home (mapping value), destination GPU slot (-1: none),
+        the CPU row that receives its victim or itself (-1: none), and whether the victim goes back
+        to its copy, a free row that still holds its bytes, with no bytes moved (``clean``; its
+        ``cpu_row`` is -1 when the plan fills, the row it popped and hands back otherwise)."""
         sc = self.scratch
         T = self.addresses.numel()
         chunks = -(-T // K.CHUNK)
@@ -95,14 +97,21 @@ class TransferPlan:
         k_free, victims = int(ctl[int(K.E_KFREE)]), int(ctl[int(K.E_VICTIMS)])
         j = torch.arange(pos.numel())
         dest = torch.where(j < victims, victim_slots(sc, ctl.tolist(), j), -1)
+        clean, before = victim_cleans(sc, ctl.tolist(), j)
+        clean &= j < victims
+        # A clean victim pops no row when the plan fills (K.E_FILL): the others pop in order.
+        fill = int(ctl[int(K.E_FILL)])
         popped = sc.popped.cpu().to(torch.int64)
-        cpu_row = torch.where(j >= k_free, popped[(j - k_free).clamp(min=0, max=popped.numel() - 1)], -1)
+        pop = (j - k_free - before * fill).clamp(min=0, max=popped.numel() - 1)
+        pops = (j >= k_free) & ~(clean & bool(fill))
+        cpu_row = torch.where(pops, popped[pop], -1)
         return {
             "position": pos,
             "address": self.addresses.cpu()[pos].to(torch.int64),
             "source": sc.home.cpu()[pos].to(torch.int64),
             "gpu_slot": dest,
             "cpu_row": cpu_row,
+            "clean": clean,
         }
 
 

@@ -14,6 +14,13 @@ an engine can bring the first layer in at once and the others on a side stream.
 Programs never touch each other's rows: a victim slot, a popped CPU row and a miss's source row each
 belong to exactly one miss, and victims are never selected in the same call.
 
+A clean victim (the plan says which: ``ulakv.kernels.victims``) copies nothing: its mapping moves to
+its copy, a free row that still holds its bytes, and that row leaves the free list. When the plan
+fills, commit puts the row its miss leaves in the copy's place (until then the list still names the
+copy: no call pops while a plan is pending, since every call finishes it first); otherwise the row
+the victim popped goes there at once. A victim whose popped row is its own intact copy moves nothing
+either.
+
 Recency (exact LRU): every distinct GPU-resident address of the call is appended to the LRU queue
 with a new version; older pairs of the same slot turn stale. PB-LRU moved hits to the current
 bucket in the lookup; commit puts each slot that receives an entry there (atomics: bits of one word
@@ -33,7 +40,7 @@ from . import common as K
 from ._triton import INTERPRETED, tl, triton
 from .buckets import PBLRUBits
 from .operands import as_words
-from .victims import victim_slot, victim_slots
+from .victims import victim_cleans, victim_slot, victim_slots
 
 # Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
 # interpreter pays per operation, not per element, so it takes 4x larger tiles. The launcher reads
@@ -68,11 +75,14 @@ def _miss_tile(
     cand_ptr,
     seg_ptr,
     segments,
+    fill,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """The misses ``r0 .. r0 + ROWS`` of a chunk: position, address, source home, GPU slot (if
-    any), and the popped CPU row that receives the victim (or the entry itself, with no slot)."""
+    any), whether its victim is evicted clean (and fills: the plan fills), how many victims before
+    it are, and the popped CPU row that receives the victim (or the entry itself, with no slot;
+    none for a victim that fills)."""
     r = r0 + tl.arange(0, ROWS)
     mm = r < n_miss
     p = tl.load(miss_pos_ptr + base + r, mask=mm, other=0)
@@ -80,10 +90,13 @@ def _miss_tile(
     src = tl.load(home_ptr + p, mask=mm, other=0)
     j = m_off + r
     has_slot = mm & (j < V)
-    v = victim_slot(j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK)
+    v, clean, before = victim_slot(j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK)
     popping = mm & (j >= k_free)  # misses past the free slots evict, or get a CPU row themselves
-    cpu_row = tl.load(popped_ptr + (j - k_free), mask=popping, other=0)
-    return p, a, src, mm, has_slot, v, popping, cpu_row
+    # Filling, clean victims pop nothing: the others pop the top rows in order.
+    fills = tl.where(clean, fill, 0) != 0
+    takes_row = popping & ~fills
+    cpu_row = tl.load(popped_ptr + (j - k_free - before * fill), mask=takes_row, other=0)
+    return p, a, src, mm, has_slot, v, clean, fills, before, popping, cpu_row
 
 
 # Not specialised: T, G, Qcap, L (short last group), write_layer, phase and in-layer bounds, layer0 (all
@@ -180,7 +193,6 @@ def apply_kernel(
     cpu_pos_ptr,
     copy_slot_ptr,
     copy_row_ptr,
-    copy_depth_ptr,
     slot_of_ptr,
     C,
     stats_ptr,
@@ -226,10 +238,11 @@ def apply_kernel(
         k_free = _word(ctl, K.E_KFREE)
         V = _word(ctl, K.E_VICTIMS)
         segments = _word(ctl, K.E_SEGMENTS)
+        fill = _word(ctl, K.E_FILL)
         w = tl.arange(0, WORDS)
         wm = w < W
         has_misses = r0 < n_miss
-        p, a, src, mm, has_slot, v, popping, cpu_row = _miss_tile(
+        p, a, src, mm, has_slot, v, clean, fills, before, popping, cpu_row = _miss_tile(
             r0,
             n_miss,
             base,
@@ -245,23 +258,22 @@ def apply_kernel(
             cand_ptr,
             seg_ptr,
             segments,
+            fill,
             CHUNK,
             ROWS,
         )
 
         # A victim whose entry came in from a CPU row that still holds its bytes (a free row, its
-        # copy) goes back there with no copy: a *clean* eviction. Unless another miss of this call
-        # popped that row (it is about to be overwritten): the classify took each candidate's copy's
-        # depth in the free list as the call began, whatever apply's hole filling (below) moves.
-        # Only the victim itself or the miss that pops its copy ever write these words, so every
-        # phase of every launch of this plan decides the same.
+        # copy) goes back there with no copy: a *clean* eviction. The plan decided which (the copy
+        # lay below every row the call can pop, as it began). A victim whose popped row is its own
+        # intact copy is clean too (``own``: nothing moves). Only commit rewrites a victim's copy
+        # word and only this victim's evict its copy's, so every phase before reads the same.
         copy = tl.full((ROWS,), -1, tl.int32)
-        clean = tl.zeros((ROWS,), tl.int32) != 0
-        if not CACHE:
+        own = has_slot & (copy >= 0)
+        if not CACHE:  # a buffer's victims live on their home rank: no copies
             copy = tl.load(copy_row_ptr + v, mask=has_slot & popping, other=-1)
-            intact = (copy >= 0) & (tl.load(copy_slot_ptr + copy, mask=copy >= 0, other=-1) == v)
-            depth = tl.load(copy_depth_ptr + v, mask=intact, other=0)
-            clean = intact & ((depth >= _word(ctl, K.E_POPS)) | (copy == cpu_row))
+            own = popping & ~fills & ~clean & (copy == cpu_row)
+            own = own & (tl.load(copy_slot_ptr + copy, mask=own, other=-1) == v)
         dest = tl.where(clean, copy, cpu_row)  # the victim's CPU row
 
         # -- out: victims' rows, every layer, to their popped CPU rows ----------------------------
@@ -269,7 +281,7 @@ def apply_kernel(
         if run_out and not CACHE:
             if has_misses:
                 old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
-                evict = (has_slot & popping & (old >= 0) & ~clean)[:, None] & wm[None, :]
+                evict = (has_slot & popping & (old >= 0) & ~clean & ~own)[:, None] & wm[None, :]
                 v2 = v.to(tl.int64)[:, None] * W + w[None, :]
                 dest2 = cpu_row.to(tl.int64)[:, None] * W + w[None, :]
                 for layer in range(L):
@@ -289,16 +301,17 @@ def apply_kernel(
                     # A row that becomes a home copies nothing (the slot's own word is rewritten
                     # at commit, before any other call can read it).
                     tl.store(copy_slot_ptr + dest, tl.full((ROWS,), -1, tl.int32), mask=popping)
-                    # A clean victim's row leaves the free list from wherever it sat: its popped
-                    # row, unused, takes its place there.
-                    refill = evict & clean & (copy != cpu_row)
+                    # A clean victim's row leaves the free list from wherever it sat. Unless the
+                    # plan fills (commit puts the miss's row there), its popped row, unused, takes
+                    # its place.
+                    refill = evict & clean & ~fills
                     hole = tl.load(cpu_pos_ptr + copy, mask=refill, other=0)
                     tl.store(cpu_free_ptr + hole, cpu_row, mask=refill)
                     tl.store(cpu_pos_ptr + cpu_row, hole, mask=refill)
                     # Bytes out (the copies) and clean evictions, in one two-lane atomic.
                     pair = tl.arange(0, 2)
-                    n_clean = tl.sum((evict & clean).to(tl.int64), axis=0)
-                    n_dirty = tl.sum((evict & ~clean).to(tl.int64), axis=0)
+                    n_clean = tl.sum((evict & (clean | own)).to(tl.int64), axis=0)
+                    n_dirty = tl.sum((evict & ~clean & ~own).to(tl.int64), axis=0)
                     added = tl.where(pair == 0, n_dirty * group_row_bytes, n_clean)
                     word = tl.where(pair == 0, K.S_BYTES_OUT, K.S_CLEAN)
                     tl.atomic_add(stats_ptr + word, added, mask=added > 0, sem="relaxed")
@@ -382,11 +395,14 @@ def apply_kernel(
                 tl.store(map_ptr + a, tl.where(has_slot, v, G + cpu_row), mask=mm)
                 tl.store(owner_ptr + v, a.to(tl.int32), mask=has_slot)
                 # A miss from the CPU leaves its row, a copy of the entry now in its slot, at the
-                # bottom of the free list: at its rank among the call's such misses.
+                # bottom of the free list: at its rank among the call's such misses that do not
+                # fill. Filling, a miss whose victim was clean puts it in that victim's copy's place.
                 pushes = mm & (src >= G)
                 if not CACHE:
-                    push = _word(ctl, K.E_PUSH_BASE) + tl.load(off + K.O_PUSH)
+                    push = _word(ctl, K.E_PUSH_BASE) + tl.load(off + K.O_PUSH) - before * fill
                     push = (push + tl.load(cpu_rank_ptr + p, mask=pushes, other=0)) % C
+                    filling = pushes & fills
+                    push = tl.where(filling, tl.load(cpu_pos_ptr + copy, mask=filling, other=0), push)
                     tl.store(cpu_free_ptr + push, src - G, mask=pushes)
                     tl.store(cpu_pos_ptr + src - G, push.to(tl.int32), mask=pushes)
                     tl.store(copy_slot_ptr + src - G, v, mask=pushes & has_slot)
@@ -460,7 +476,7 @@ def _slot_of(
     j0 = tl.load(chunk_off_ptr + (p0 // CHUNK) * K.OFF_WORDS + K.O_MISS, mask=moved, other=0)
     j0 += tl.load(miss_rank_ptr + p0, mask=moved, other=0)
     moved_slot = moved & (j0 < V)
-    victim = victim_slot(j0, moved_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK)
+    victim, _, _ = victim_slot(j0, moved_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK)
     slot = tl.where(on_gpu, home, victim)
     return tl.where(on_gpu | moved_slot, slot, -1)
 
@@ -581,7 +597,6 @@ def apply(
         st.cpu_pos[g],
         st.copy_slot[g],
         st.copy_row[g],
-        scratch.copy_depth,
         scratch.slot_of,
         st.cpu_stack_size,
         st.stats,
@@ -625,25 +640,27 @@ def apply_reference(
     local = write_layer - layers.start
     new_rows = rows.view(torch.uint8).reshape(T, -1) if write else None
 
-    pops = int(st.ctl[int(K.E_POPS)])
+    fill = int(st.ctl[int(K.E_FILL)])
+    clean_bit, before = victim_cleans(scratch, st.ctl.tolist(), torch.arange(V))
     cap, stats, group_row_bytes = st.cpu_stack_size, st.stats, len(layers) * st.gpu_data.shape[-1]
 
     def misses(c: int):
+        """Chunk ``c``'s misses: index, position, address, source home, GPU slot (or None), the copy
+        its victim goes back to if clean (or None: the plan's clean victims; a victim whose popped
+        row is its own intact copy goes back there too), and the CPU row it popped (or None)."""
         m_off = int(scratch.chunk_off[c, int(K.O_MISS)])
         for r in range(int(scratch.counts[c, int(K.C_NEED)])):
-            p = int(scratch.miss_pos[c * C + r])
-            j = m_off + r
+            p, j = int(scratch.miss_pos[c * C + r]), m_off + r
             v = victim[j] if j < V else None
-            cpu_row = int(scratch.popped[j - k_free]) if j >= k_free else None
-            yield p, int(flat[p]), int(scratch.home[p]), v, cpu_row
-
-    def clean_row(v: int, cpu_row: int) -> int | None:
-        """The free row holding victim slot ``v``'s bytes, if its eviction is clean."""
-        copy = int(st.copy_row[g, v])
-        if st.CACHE or copy < 0 or int(st.copy_slot[g, copy]) != v:
-            return None
-        deep = int(scratch.copy_depth[v]) >= pops  # below every row popped this call
-        return copy if deep or copy == cpu_row else None
+            copy = int(st.copy_row[g, v]) if v is not None and bool(clean_bit[j]) else None
+            popped = None
+            if j >= k_free and not (copy is not None and fill):
+                popped = int(scratch.popped[j - k_free - fill * int(before[j] if j < V else 0)])
+            if v is not None and popped is not None and copy is None and not st.CACHE:
+                mine = int(st.copy_row[g, v])
+                if mine == popped and int(st.copy_slot[g, mine]) == v:
+                    copy = popped
+            yield j, p, int(flat[p]), int(scratch.home[p]), v, copy, popped
 
     def slot_of(pos: int) -> int:
         flags, home = int(scratch.flags[pos]), int(scratch.home[pos])
@@ -655,25 +672,26 @@ def apply_reference(
             return victim[j0] if j0 < V else -1
         return -1
 
-    # Decided once, before any phase moves a row (apply's programs all read the state as the call
-    # began): which victims go back to their copies.
-    clean = {
-        v: clean_row(v, cpu_row)
-        for c in range(-(-T // C))
-        for _, _, _, v, cpu_row in misses(c)
-        if v is not None and cpu_row is not None
-    }
-    for c in range(-(-T // C)):
+    # Every phase reads the copies of the plan's clean victims as the call began: only commit
+    # rewrites a victim's copy word, and the moves below never touch another victim's.
+    chunks = range(-(-T // C))
+    # Where each miss from the CPU leaves its row at commit, unless it fills: the bottom of the free
+    # list, in miss order.
+    pushed = [
+        j
+        for c in chunks
+        for j, _, _, src, _, copy, popped in misses(c)
+        if src >= G and not st.CACHE and not (copy is not None and popped is None)
+    ]
+    push_at = {j: (push_base + k) % cap for k, j in enumerate(pushed)}
+    for c in chunks:
         chunk = range(c * C, min(T, (c + 1) * C))
         if runs(K.PH_OUT) and not st.CACHE:
-            for _, _, _, v, cpu_row in misses(c):
-                if v is not None and cpu_row is not None and int(st.owner[g, v]) >= 0:
-                    if clean[v] is None:
-                        cpu[:, cpu_row] = gpu[:, v]
+            for j, _, _, _, v, copy, popped in misses(c):
+                if v is not None and j >= k_free and int(st.owner[g, v]) >= 0 and copy is None:
+                    cpu[:, popped] = gpu[:, v]
         if runs(K.PH_EVICT):
-            for j, (_, _, _, v, cpu_row) in enumerate(
-                misses(c), start=int(scratch.chunk_off[c, int(K.O_MISS)])
-            ):
+            for j, _, _, _, v, copy, popped in misses(c):
                 evicting = v is not None and j >= k_free
                 old = int(st.owner[g, v]) if evicting else -1
                 if st.CACHE:
@@ -681,10 +699,9 @@ def apply_reference(
                         st.mapping[g, old] = int(K.M_UNHOMED)
                         st.owner[g, v] = -1
                     continue
-                if cpu_row is None:
+                if j < k_free:
                     continue
-                copy = clean.get(v) if evicting else None
-                dest = cpu_row if copy is None else copy
+                dest = popped if copy is None else copy
                 st.copy_slot[g, dest] = -1
                 if old >= 0:
                     st.mapping[g, old] = G + dest
@@ -693,19 +710,18 @@ def apply_reference(
                         stats[int(K.S_BYTES_OUT)] += group_row_bytes
                     else:
                         stats[int(K.S_CLEAN)] += 1
-                    if copy is not None and copy != cpu_row:
+                    if copy is not None and popped is not None and copy != popped:
+                        # the popped row, unused, takes the copy's place
                         hole = int(st.cpu_pos[g, copy])
-                        st.cpu_free[g, hole] = cpu_row
-                        st.cpu_pos[g, cpu_row] = hole
+                        st.cpu_free[g, hole] = popped
+                        st.cpu_pos[g, popped] = hole
             if not write:
                 for pos in chunk:
                     slots[pos] = slot_of(pos)
                     if st.policy == K.EXACT_LRU:
                         scratch.slot_of[pos] = slots[pos]
         if runs(K.PH_IN):
-            for j, (p, _, src, v, cpu_row) in enumerate(
-                misses(c), start=int(scratch.chunk_off[c, int(K.O_MISS)])
-            ):
+            for j, p, _, src, v, _, popped in misses(c):
                 for layer in range(in_layers.start - layers.start, in_layers.stop - layers.start):
                     if st.CACHE:
                         row = (
@@ -722,7 +738,7 @@ def apply_reference(
                     if v is not None:
                         gpu[layer, v] = row
                     else:
-                        cpu[layer, cpu_row] = row
+                        cpu[layer, popped] = row
             if write:
                 for pos in chunk:
                     flags, home = int(scratch.flags[pos]), int(scratch.home[pos])
@@ -736,23 +752,25 @@ def apply_reference(
         if runs(K.PH_COMMIT):
             bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
             rnd = int(st.gctl[g, int(K.G_ROUND)])
-            push = push_base + int(scratch.chunk_off[c, int(K.O_PUSH)])
-            for _, a, src, v, cpu_row in misses(c):
-                st.mapping[g, a] = v if v is not None else G + cpu_row
+            for j, _, a, src, v, copy, popped in misses(c):
+                filling = copy is not None and popped is None  # its victim went back to its copy
+                if src >= G and not st.CACHE:
+                    # Its row, now a copy: in its clean victim's copy's place when the plan fills,
+                    # else to the bottom of the free list, after the misses before it that did not.
+                    at = int(st.cpu_pos[g, copy]) if filling else push_at[j]
+                    st.cpu_free[g, at] = src - G
+                    st.cpu_pos[g, src - G] = at
+                    if v is not None:
+                        st.copy_slot[g, src - G] = v
+                st.mapping[g, a] = v if v is not None else G + popped
                 if v is not None:
                     st.owner[g, v] = a
                     if not st.CACHE:
                         st.copy_row[g, v] = src - G if src >= G else -1
                     if bitmaps is not None:
-                        if cpu_row is not None:  # taken from a bucket (not a free slot)
+                        if j >= k_free:  # taken from a bucket (not a free slot)
                             bitmaps.clear(v, ref=rnd + 1)
                         bitmaps.place(v, rnd)
-                if src >= G and not st.CACHE:  # its row, now a copy, to the bottom of the free list
-                    st.cpu_free[g, push % cap] = src - G
-                    st.cpu_pos[g, src - G] = push % cap
-                    if v is not None:
-                        st.copy_slot[g, src - G] = v
-                    push += 1
             if bitmaps is not None:
                 bitmaps.store()
             if st.policy == K.EXACT_LRU:

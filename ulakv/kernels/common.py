@@ -21,11 +21,12 @@ E_KFREE = tl.constexpr(4)  # misses served from free GPU slots this call
 E_VICTIMS = tl.constexpr(5)  # misses that got a GPU slot this call (free or evicted)
 E_PUSH_BASE = tl.constexpr(6)  # ring index where this call's swapped-in rows join the CPU free list
 E_DISTINCT = tl.constexpr(7)  # distinct addresses of the call in flight (counted by the claim)
-E_MAX_SELECTION = tl.constexpr(8)  # most distinct addresses a prepare may select (set at build)
-E_ARRIVED = tl.constexpr(9)  # classify programs done this call; the last one plans, then clears it
-E_SEGMENTS = tl.constexpr(10)  # segments of the call's candidate list (victims past the free slots)
-E_POPS = tl.constexpr(11)  # free CPU rows popped this call (the top of the free list before it)
-CTL_WORDS = 12
+E_NEED = tl.constexpr(8)  # ... of which need a GPU slot (misses; a write's new entries): the next word
+E_MAX_SELECTION = tl.constexpr(9)  # most distinct addresses a prepare may select (set at build)
+E_ARRIVED = tl.constexpr(10)  # classify programs done this call; the last one plans, then clears it
+E_SEGMENTS = tl.constexpr(11)  # segments of the call's candidate list (victims past the free slots)
+E_FILL = tl.constexpr(12)  # 1: clean victims pop no CPU row; their copies' places take their misses' rows
+CTL_WORDS = 13
 CTL_BLOCK = tl.constexpr(16)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.

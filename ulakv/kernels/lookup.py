@@ -4,7 +4,8 @@ program):
 
 1. ``claim``: validate every address (in range, live) and claim it: ``atomic_max`` of
    ``(epoch << 32) | ~position`` into a per-address word, so the lowest position of this call wins.
-   The element that finds no claim of this epoch counts one distinct address; in a write, one that
+   The element that finds no claim of this epoch counts one distinct address (and one miss, if it
+   needs a GPU slot: classify bounds the call's CPU pops with it); in a write, one that
    finds one is a duplicate. Every hit marks its GPU slot as protected for this call. After this
    launch the call's status is complete (bad addresses, duplicates, and whether the distinct
    addresses fit the GPU tier) and so are the marks.
@@ -41,9 +42,13 @@ from ._triton import tl, triton
 from .buckets import PBLRUBits
 from .victims import (
     BLOCK,
-    _list_copy_depths,
+    SEG_WORDS,
+    _clean_candidates,
+    _packed_candidates,
     _ring_candidates,
-    list_copy_depths_reference,
+    clean_candidates_reference,
+    need_pops,
+    packed_candidates_reference,
     ring_candidates_reference,
     victims_program,
     victims_reference,
@@ -74,7 +79,16 @@ def claim_kernel(
     # reads claims, counts and status comes after a launch boundary.
     previous = tl.atomic_max(claim_ptr + a, key, mask=ok, sem="relaxed")
     arrived_first = ok & ((previous >> 32) != epoch)
-    tl.atomic_add(ctl_ptr + K.E_DISTINCT, tl.sum(arrived_first.to(tl.int64), axis=0), sem="relaxed")
+    if WRITE:  # a write's entries that need a slot are new ones; a prepare's, those not on the GPU
+        needs = home == K.M_UNHOMED
+    else:
+        needs = (home < 0) | (home >= G)
+    # Distinct addresses, and those that need a GPU slot, in one two-lane atomic (E_DISTINCT, E_NEED):
+    # classify bounds this call's CPU pops with the second before it knows the victims.
+    pair = tl.arange(0, 2)
+    distinct = tl.sum(arrived_first.to(tl.int64), axis=0)
+    need = tl.sum((arrived_first & needs).to(tl.int64), axis=0)
+    tl.atomic_add(ctl_ptr + K.E_DISTINCT + pair, tl.where(pair == 0, distinct, need), sem="relaxed")
     if tl.sum(bad.to(tl.int32), axis=0) > 0:
         tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_BAD_ADDRESS, sem="relaxed")
     if WRITE:
@@ -114,6 +128,7 @@ def claim_kernel(
         "cpu_free_ptr",
         "cpu_pos_ptr",
         "copy_row_ptr",
+        "copy_slot_ptr",
     ],
 )
 def classify_kernel(
@@ -151,7 +166,7 @@ def classify_kernel(
     C,
     cpu_pos_ptr,
     copy_row_ptr,
-    copy_depth_ptr,
+    copy_slot_ptr,
     victims_ptr,
     popped_ptr,
     cand_ptr,
@@ -234,6 +249,11 @@ def classify_kernel(
     if not CACHE:  # a buffer drops its victims: no CPU rows
         cm = inb & (j < n_cpu)
         tl.store(popped_ptr + j, tl.load(cpu_free_ptr + (top - j) % C, mask=cm, other=0), mask=cm)
+    # The most CPU rows this call can pop (a row per miss past the free slots): a candidate's copy
+    # below them is safe from every pop, so its eviction is clean whatever apply pops.
+    n_need = tl.load(ctl_ptr + K.E_NEED)
+    pops = n_need - tl.minimum(n_need, n_free)
+    three = tl.arange(0, 4)  # a segment's words: where its list starts, its length, its clean count
 
     if POLICY == K.EXACT_LRU:
         # -- candidates: this program's segment of the LRU ring ---------------------------------
@@ -248,12 +268,15 @@ def classify_kernel(
         eligible, s = _ring_candidates(
             head + pos, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
         )
-        cand_rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
-        tl.store(cand_ptr + pid.to(tl.int64) * CHUNK + cand_rank, s, mask=eligible)
+        clean = eligible & (tl.zeros_like(s) != 0)
         if not CACHE:
-            _list_copy_depths(s, eligible, copy_row_ptr, cpu_pos_ptr, copy_depth_ptr, top, C)
-        tl.store(seg_ptr + 2 * pid + 1, pid.to(tl.int64) * CHUNK)  # where the list starts in cand
-        tl.store(seg_ptr + 2 * pid + 2, tl.sum(eligible.to(tl.int64), axis=0))  # its length
+            clean = _clean_candidates(s, eligible, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, pops)
+        packed, n_clean = _packed_candidates(s, clean, eligible)
+        cand_rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
+        tl.store(cand_ptr + pid.to(tl.int64) * CHUNK + cand_rank, packed, mask=eligible)
+        n = tl.sum(eligible.to(tl.int64), axis=0)
+        words = tl.where(three == 0, pid.to(tl.int64) * CHUNK, tl.where(three == 1, n, n_clean))
+        tl.store(seg_ptr + SEG_WORDS * pid + 1 + 2 * three, words, mask=three < 3)
     else:
         # -- candidates: this program's ranges of CHUNK slots, in every bucket a victim may come from
         # Victims past the free slots are the cold bucket's slots, then each ring bucket's oldest
@@ -270,21 +293,23 @@ def classify_kernel(
             at = (tl.zeros((), tl.int64) + q) * CHUNK  # the range's first slot, and its list in cand
             slot = at + tl.arange(0, CHUNK)
             valid = slot < G
+            clean = valid & (slot < 0)
             if not CACHE:  # whatever their bucket: one pass over the range
-                _list_copy_depths(slot, valid, copy_row_ptr, cpu_pos_ptr, copy_depth_ptr, top, C)
+                clean = _clean_candidates(slot, valid, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, pops)
             unprotected = valid & (tl.load(mark_ptr + slot, mask=valid, other=0) != epoch)
-            pair = tl.arange(0, 2)
             listed = tl.zeros((), dtype=tl.int64)
             for i in range(0, R):
                 bucket = tl.where(i == 0, R, (cur + i) % R).to(tl.int64)
                 word = tl.load(bits_ptr + bucket * BW + slot // 32, mask=valid, other=0)
                 eligible = unprotected & (((word >> (slot % 32).to(tl.int32)) & 1) != 0)
                 list_rank = tl.cumsum(eligible.to(tl.int64), axis=0) - 1
-                tl.store(cand_ptr + at + listed + list_rank, slot.to(tl.int32), mask=eligible)
+                packed, n_clean = _packed_candidates(slot, clean, eligible)
+                tl.store(cand_ptr + at + listed + list_rank, packed, mask=eligible)
                 k = (tl.zeros((), tl.int64) + i) * ranges + q  # candidate order: bucket by bucket
                 n = tl.sum(eligible.to(tl.int64), axis=0)
-                # seg[2k + 1], seg[2k + 2]: where the list starts in cand, and its length (one store)
-                tl.store(seg_ptr + 2 * k + 1 + pair, tl.where(pair == 0, at + listed, n))
+                # Where the list starts in cand, its length and its clean count, in one store.
+                words = tl.where(three == 0, at + listed, tl.where(three == 1, n, n_clean))
+                tl.store(seg_ptr + SEG_WORDS * k + 1 + 2 * three, words, mask=three < 3)
                 listed += n
 
     # -- the last program to arrive plans the call --------------------------------------------------
@@ -308,8 +333,8 @@ def classify_kernel(
             Qcap,
             C,
             copy_row_ptr,
+            copy_slot_ptr,
             cpu_pos_ptr,
-            copy_depth_ptr,
             mark_ptr,
             claim_ptr,
             cand_ptr,
@@ -373,7 +398,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         st.cpu_stack_size,
         st.cpu_pos[g],
         st.copy_row[g],
-        scratch.copy_depth,
+        st.copy_slot[g],
         scratch.victims,
         scratch.popped,
         scratch.cand,
@@ -421,6 +446,10 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
         first_pos.setdefault(a, pos)
         claim[a] = max(int(claim[a]), (epoch << 32) | (K.POS_MASK - pos))
     ctl[int(K.E_DISTINCT)] += len(first_pos)
+    if write:
+        ctl[int(K.E_NEED)] += sum(1 for a in first_pos if homes[a] == int(K.M_UNHOMED))
+    else:
+        ctl[int(K.E_NEED)] += sum(1 for a in first_pos if not 0 <= homes[a] < G)
     for chunk in range(-(-T // C)):
         counts = [0] * K.COUNT_WORDS
         for pos in range(chunk * C, min(T, (chunk + 1) * C)):
@@ -461,34 +490,35 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
     if not st.CACHE:
         free_rows = st.free_cpu_rows(g).flip(0)[: min(T, n_cpu)]  # top first
         scratch.popped[: free_rows.numel()] = free_rows.to(scratch.popped.device)
+    pops, sw = need_pops(st, g), int(SEG_WORDS)
+
+    def list_segment(k: int, at: int, slots: list[int]) -> None:
+        """Segment ``k``: its candidates at ``cand[at:]``, and its words (lengths one segment on)."""
+        clean = clean_candidates_reference(st, g, slots, pops) if not st.CACHE else [False] * len(slots)
+        packed = packed_candidates_reference(slots, clean)
+        scratch.cand[at : at + len(slots)] = torch.tensor(packed, dtype=torch.int64)
+        scratch.seg[sw * k + 1] = at
+        scratch.seg[sw * k + sw] = len(slots)
+        scratch.seg[sw * k + sw + 2] = sum(clean)
+
     if st.policy == K.EXACT_LRU:
         gctl = st.gctl[g]
         head = int(gctl[int(K.G_HEAD)])
         limit = int(gctl[int(K.G_ROUND_TAIL)] if write else gctl[int(K.G_TAIL)])
         for chunk in range(-(-T // C)):
             slots = ring_candidates_reference(st, g, head + chunk * C, min(limit, head + (chunk + 1) * C))
-            if not st.CACHE:
-                list_copy_depths_reference(st, g, slots, scratch)
-            scratch.cand[chunk * C : chunk * C + len(slots)] = torch.tensor(slots, dtype=torch.int32)
-            scratch.seg[2 * chunk + 1] = chunk * C
-            scratch.seg[2 * chunk + 2] = len(slots)
+            list_segment(chunk, chunk * C, slots)
     else:
         bitmaps = PBLRUBits(st, g)
         cur = int(st.gctl[g, int(K.G_ROUND)]) + (0 if write else 1)
         ranges = -(-G // C)
-        if not st.CACHE:
-            list_copy_depths_reference(st, g, list(range(G)), scratch)
         for q in range(ranges):
             listed = 0
             for i in range(bitmaps.R):
                 bucket = bitmaps.R if i == 0 else (cur + i) % bitmaps.R
                 held = sorted(s for s in bitmaps.sets[bucket] if q * C <= s < (q + 1) * C)
                 slots = [s for s in held if int(mark[s]) != epoch]
-                k = i * ranges + q
-                at = q * C + listed
-                scratch.cand[at : at + len(slots)] = torch.tensor(slots, dtype=torch.int32)
-                scratch.seg[2 * k + 1] = at
-                scratch.seg[2 * k + 2] = len(slots)
+                list_segment(i * ranges + q, q * C + listed, slots)
                 listed += len(slots)
     ctl[int(K.E_STATUS)] |= status
     go = status == 0 and (write or int(ctl[int(K.E_DISTINCT)]) <= int(ctl[int(K.E_MAX_SELECTION)]))

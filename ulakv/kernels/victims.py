@@ -28,12 +28,19 @@ misses. Measured by ``benchmarks/critical_path.py``: a prepare's busiest program
 
    Victim ``j`` is then the ``j - k_free``-th candidate: ``victim_slot`` finds its segment by a
    binary search over the running totals.
-3. Offsets per chunk so the apply kernel can work in parallel without atomics and still
+3. Clean victims. Each candidate in ``cand`` carries whether its eviction is clean (its entry's
+   copy, a free CPU row that still holds its bytes, lies deeper in the free list than the call can
+   pop) and how many clean candidates precede it in its segment; ``seg`` keeps running totals of
+   both, so ``victim_slot`` gives every victim the number of clean victims before it. A prepare
+   whose misses all come from the CPU *fills*: its clean victims pop no CPU row (the others pop the
+   top rows in order, victim ``i`` the ``i - clean_before(i)``-th) and the row each clean victim's
+   miss leaves takes its copy's place in the free list. Otherwise every miss past the free GPU
+   slots pops a row (for its victim, or for itself in a write that found no slot). Either way a
+   victim never lands in a row someone still lives in.
+4. Offsets per chunk so the apply kernel can work in parallel without atomics and still
    deterministically: where each chunk's misses start in the victim list, where its touches are
    appended to the queue, and its rank among the CPU rows freed by misses that came from the CPU.
-   Every miss past the free GPU slots pops a free CPU row (for its victim, or for itself in a write
-   that found no slot): a victim never lands in a row someone still lives in.
-4. Counters, round and epoch bookkeeping; the call's status is published for the host and apply.
+5. Counters, round and epoch bookkeeping; the call's status is published for the host and apply.
 """
 
 from __future__ import annotations
@@ -83,34 +90,72 @@ def _column(counts, word):
     return tl.sum(tl.where(tl.arange(0, 4)[None, :] == word, counts, 0), axis=1)
 
 
+# A candidate as ``cand`` holds it (int64): its GPU slot in the low 32 bits, then whether its
+# eviction is clean (bit 32), then how many candidates before it in its segment are clean. Apply needs
+# the count to place pops and pushes once clean victims stop popping rows (``K.E_FILL``).
+CAND_CLEAN_BIT = tl.constexpr(32)
+CAND_BEFORE_SHIFT = tl.constexpr(33)
+CAND_SLOT_MASK = tl.constexpr(0xFFFFFFFF)
+# A segment's words in ``seg``: candidates before it, where its list starts in cand, clean candidates
+# before it. The classify stores a segment's lengths one segment on (its next's first words).
+SEG_WORDS = tl.constexpr(3)
+
+
 @triton.jit
-def _list_copy_depths(s, listed, copy_row_ptr, cpu_pos_ptr, copy_depth_ptr, top, C):
-    """For listed candidate slots ``s``: how deep below the top of the CPU free list, as the call
-    began, sits the row their copy names (junk where the copy is not intact: apply checks that).
-    Taken now because apply moves rows in the list while it decides which evictions are clean."""
+def _clean_candidates(s, listed, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, pops):
+    """Which listed candidate slots ``s`` would be evicted clean: the copy their entry left in a CPU
+    row is intact and lies ``pops`` rows or more below the top of the free list as the call began
+    (``pops``: one row per miss past the free GPU slots, the most this call can pop), so no pop of
+    this call takes it, however apply places its pops."""
     copy = tl.load(copy_row_ptr + s, mask=listed, other=-1)
     has = listed & (copy >= 0)
-    at = tl.load(cpu_pos_ptr + copy, mask=has, other=0)
-    tl.store(copy_depth_ptr + s, (((top - at) % C + C) % C).to(tl.int32), mask=has)
+    intact = has & (tl.load(copy_slot_ptr + copy, mask=has, other=-1) == s)
+    at = tl.load(cpu_pos_ptr + copy, mask=intact, other=0)
+    return intact & ((((top - at) % C + C) % C) >= pops)
 
 
-def list_copy_depths_reference(st, g: int, slots: list[int], scratch) -> None:
-    """Plain-Python twin of ``_list_copy_depths``."""
+def clean_candidates_reference(st, g: int, slots: list[int], pops: int) -> list[bool]:
+    """Plain-Python twin of ``_clean_candidates`` (the pool's state as the call began)."""
     cap, count = st.cpu_stack_size, int(st.gctl[g, int(K.G_CPU_FREE)])
     top = int(st.gctl[g, int(K.G_CPU_BOT)]) + count - 1
+    out = []
     for s in slots:
         copy = int(st.copy_row[g, s])
-        if copy >= 0:
-            scratch.copy_depth[s] = (top - int(st.cpu_pos[g, copy])) % cap
+        intact = copy >= 0 and int(st.copy_slot[g, copy]) == s
+        out.append(intact and (top - int(st.cpu_pos[g, copy])) % cap >= pops)
+    return out
+
+
+@triton.jit
+def _packed_candidates(s, clean, listed):
+    """Listed candidates as ``cand`` holds them, and how many of them are clean."""
+    c = (clean & listed).to(tl.int64)
+    before = tl.cumsum(c, axis=0) - c
+    return s.to(tl.int64) | (c << CAND_CLEAN_BIT) | (before << CAND_BEFORE_SHIFT), tl.sum(c, axis=0)
+
+
+def packed_candidates_reference(slots: list[int], clean: list[bool]) -> list[int]:
+    """Plain-Python twin of ``_packed_candidates`` (the list only)."""
+    out, before = [], 0
+    for s, c in zip(slots, clean, strict=True):
+        out.append(s | (int(c) << int(CAND_CLEAN_BIT)) | (before << int(CAND_BEFORE_SHIFT)))
+        before += c
+    return out
+
+
+def need_pops(st, g: int) -> int:
+    """The most CPU rows a call can pop: one per miss past the free GPU slots (the claim counted
+    the misses), as ``classify`` computes it."""
+    need = int(st.ctl[int(K.E_NEED)])
+    return need - min(need, int(st.gctl[g, int(K.G_GPU_FREE)]))
 
 
 @triton.jit
 def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK: tl.constexpr):
-    """GPU slot of victim ``j`` (a miss's index in the call's miss order): the free-stack copy for
-    ``j < k_free``, else candidate ``j - k_free`` of the segmented list (segment ``s`` holds
-    candidates ``seg[2s] .. seg[2s + 2]``, listed from ``cand[seg[2s + 1]]`` on), found by a binary
-    search over the segment starts: ceil(log2(segments)) loads (9 at batch 64 x 3 x 2048 under exact
-    LRU), whatever the misses."""
+    """Victim ``j`` (a miss's index in the call's miss order): the free-stack copy for ``j < k_free``,
+    else candidate ``j - k_free`` of the segmented list, found by a binary search over the segment
+    starts: ceil(log2(segments)) loads (9 at batch 64 x 3 x 2048 under exact LRU), whatever the
+    misses. Returns its GPU slot, whether its eviction is clean, and how many victims before it are."""
     free = mask & (j < k_free)
     taken = mask & (j >= k_free)
     r = (j - k_free).to(tl.int64)
@@ -118,36 +163,79 @@ def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK
     size = segments + 0
     while size > 1:
         half = size // 2
-        below = tl.load(seg_ptr + 2 * (base + half), mask=taken, other=0) <= r
+        below = tl.load(seg_ptr + SEG_WORDS * (base + half), mask=taken, other=0) <= r
         base = tl.where(below, base + half, base)
         size -= half
-    start = tl.load(seg_ptr + 2 * base, mask=taken, other=0)
-    at = tl.load(seg_ptr + 2 * base + 1, mask=taken, other=0)
-    from_list = tl.load(cand_ptr + at + (r - start), mask=taken, other=0)
-    return tl.where(free, tl.load(victims_ptr + j, mask=free, other=0), from_list)
+    # The segment's three words in one load: its first rank, its place in cand, clean before it.
+    w = tl.arange(0, 4)[None, :]
+    words = tl.load(seg_ptr + SEG_WORDS * base[:, None] + w, mask=taken[:, None] & (w < SEG_WORDS), other=0)
+    start = tl.sum(tl.where(w == 0, words, 0), axis=1)
+    at = tl.sum(tl.where(w == 1, words, 0), axis=1)
+    clean_base = tl.sum(tl.where(w == 2, words, 0), axis=1)
+    packed = tl.load(cand_ptr + at + (r - start), mask=taken, other=0)
+    listed = (packed & CAND_SLOT_MASK).to(tl.int32)
+    slot = tl.where(free, tl.load(victims_ptr + j, mask=free, other=0), listed)
+    clean = taken & (((packed >> CAND_CLEAN_BIT) & 1) != 0)
+    before = tl.where(taken, clean_base + (packed >> CAND_BEFORE_SHIFT), 0)
+    return slot, clean, before
+
+
+def _victim_entries(scratch, ctl: list[int], j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host twin of ``victim_slot``'s search for victim indices ``j`` past the free slots (int64,
+    CPU): each one's packed candidate word and its segment's clean count before it."""
+    k_free, segments = ctl[int(K.E_KFREE)], ctl[int(K.E_SEGMENTS)]
+    sw = int(SEG_WORDS)
+    seg = scratch.seg.cpu()
+    starts = seg[0 : sw * segments : sw].contiguous()
+    r = (j - k_free).clamp(min=0)
+    s = (torch.searchsorted(starts, r, right=True) - 1).clamp(min=0)
+    cand = scratch.cand.cpu()
+    packed = cand[(seg[sw * s + 1] + r - starts[s]).clamp(min=0, max=cand.numel() - 1)]
+    return packed, seg[sw * s + 2]
 
 
 def victim_location(scratch, ctl: list[int], j: int) -> tuple[torch.Tensor, int]:
-    """The scratch tensor and index that hold victim ``j``'s slot (for tests that plant a victim)."""
+    """The scratch tensor and index that hold victim ``j``'s slot (for tests that plant a victim:
+    a candidate's word also holds its clean bit and count, see ``plant_victim``)."""
     if j < ctl[int(K.E_KFREE)]:
         return scratch.victims, j
     r = j - ctl[int(K.E_KFREE)]
-    seg = scratch.seg[: 2 * ctl[int(K.E_SEGMENTS)]].tolist()
-    s = max(i for i, start in enumerate(seg[0::2]) if start <= r)
-    return scratch.cand, seg[2 * s + 1] + r - seg[2 * s]
+    sw = int(SEG_WORDS)
+    seg = scratch.seg[: sw * ctl[int(K.E_SEGMENTS)]].tolist()
+    s = max(i for i, start in enumerate(seg[0::sw]) if start <= r)
+    return scratch.cand, seg[sw * s + 1] + r - seg[sw * s]
+
+
+def plant_victim(scratch, ctl: list[int], j: int, slot: int) -> int:
+    """Make victim ``j`` the slot ``slot`` (keeping a candidate's clean bit and count). Returns the
+    slot it replaces."""
+    where, i = victim_location(scratch, ctl, j)
+    old = int(where[i])
+    if where is scratch.cand:
+        if (old >> int(CAND_CLEAN_BIT)) & 1:
+            raise ValueError(f"victim {j} is evicted clean: plant a victim in place of a dirty one")
+        where[i] = (old & ~int(CAND_SLOT_MASK)) | slot
+        return old & int(CAND_SLOT_MASK)
+    where[i] = slot
+    return old
 
 
 def victim_slots(scratch, ctl: list[int], j: torch.Tensor) -> torch.Tensor:
     """Host twin of ``victim_slot`` for victim indices ``j`` (int64, CPU): their GPU slots."""
-    k_free, segments = ctl[int(K.E_KFREE)], ctl[int(K.E_SEGMENTS)]
+    k_free = ctl[int(K.E_KFREE)]
     free = scratch.victims.cpu().to(torch.int64)[j.clamp(max=scratch.victims.numel() - 1)]
-    seg = scratch.seg.cpu()
-    starts, at = seg[0 : 2 * segments : 2].contiguous(), seg[1 : 2 * segments : 2]
-    r = (j - k_free).clamp(min=0)
-    s = torch.searchsorted(starts, r, right=True) - 1
-    cand = scratch.cand.cpu().to(torch.int64)
-    listed = cand[(at[s] + r - starts[s]).clamp(min=0, max=cand.numel() - 1)]
-    return torch.where(j < k_free, free, listed)
+    packed, _ = _victim_entries(scratch, ctl, j)
+    return torch.where(j < k_free, free, packed & int(CAND_SLOT_MASK))
+
+
+def victim_cleans(scratch, ctl: list[int], j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host twin of ``victim_slot``'s other results for victim indices ``j``: whether each eviction
+    is clean, and how many victims before it are."""
+    taken = j >= ctl[int(K.E_KFREE)]
+    packed, clean_base = _victim_entries(scratch, ctl, j)
+    clean = taken & (((packed >> int(CAND_CLEAN_BIT)) & 1) != 0)
+    before = torch.where(taken, clean_base + (packed >> int(CAND_BEFORE_SHIFT)), 0)
+    return clean, before
 
 
 @triton.jit
@@ -165,8 +253,8 @@ def victims_program(
     Qcap,
     C,
     copy_row_ptr,
+    copy_slot_ptr,
     cpu_pos_ptr,
-    copy_depth_ptr,
     mark_ptr,
     claim_ptr,
     cand_ptr,
@@ -228,19 +316,26 @@ def victims_program(
         scanned = tl.zeros((), dtype=tl.int64)
         round_reads = tl.zeros((), dtype=tl.int64)
         # -- then the policy's candidates, listed segment by segment by the classify programs:
-        # running totals of the lists' lengths (seg[2s] = candidates before segment s) ------------
+        # running totals of the lists' lengths (seg[3s] = candidates before segment s) ------------
         if POLICY == K.EXACT_LRU:
             segments = P.to(tl.int64)  # one segment of the ring a program
         else:
             segments = (R * ((G + CHUNK - 1) // CHUNK)).to(tl.int64)  # every bucket, every slot range
-        tl.store(seg_ptr, tl.zeros((), tl.int64))
+        # (Segment s's lengths sit in segment s + 1's words: candidates at 3s + 3, clean at 3s + 5.)
+        pair = tl.arange(0, 2)
+        tl.store(seg_ptr + 2 * pair, tl.zeros((2,), tl.int64))
         run = tl.zeros((), dtype=tl.int64)
+        clean_run = tl.zeros((), dtype=tl.int64)
         for c0 in range(0, segments.to(tl.int32), BLOCK):
             c = c0 + ar
-            cm = c < segments
-            count = tl.load(seg_ptr + 2 * c + 2, mask=cm, other=0)
-            tl.store(seg_ptr + 2 * c + 2, run + tl.cumsum(count, axis=0), mask=cm)
-            run += tl.sum(count, axis=0)
+            at = SEG_WORDS * c[:, None] + SEG_WORDS + 2 * pair[None, :]
+            cm = (c < segments)[:, None] & (pair[None, :] < 2)
+            count = tl.load(seg_ptr + at, mask=cm, other=0)
+            totals = tl.where(pair[None, :] == 0, run, clean_run) + tl.cumsum(count, axis=0)
+            tl.store(seg_ptr + at, totals, mask=cm)
+            lengths = tl.sum(count, axis=0)  # [candidates, clean] of this block of segments
+            run += tl.sum(tl.where(pair == 0, lengths, 0), axis=0)
+            clean_run += tl.sum(tl.where(pair == 1, lengths, 0), axis=0)
         if POLICY == K.EXACT_LRU:
             # Rarely (stale or protected pairs crowd the ring's head) the lists fall short: list more
             # segments here, one after another.
@@ -249,39 +344,66 @@ def victims_program(
                 eligible, s = _ring_candidates(
                     qi, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
                 )
-                rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
-                tl.store(cand_ptr + segments * CHUNK + rank, s, mask=eligible)
+                clean = eligible & (tl.zeros_like(s) != 0)
                 if not CACHE:
                     top = tl.load(gctl_ptr + K.G_CPU_BOT) + tl.load(gctl_ptr + K.G_CPU_FREE) - 1
-                    _list_copy_depths(s, eligible, copy_row_ptr, cpu_pos_ptr, copy_depth_ptr, top, C)
+                    clean = _clean_candidates(
+                        s, eligible, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, want
+                    )
+                packed, n_clean = _packed_candidates(s, clean, eligible)
+                rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
+                tl.store(cand_ptr + segments * CHUNK + rank, packed, mask=eligible)
                 run += tl.sum(eligible.to(tl.int64), axis=0)
-                tl.store(seg_ptr + 2 * segments + 1, segments * CHUNK)
-                tl.store(seg_ptr + 2 * segments + 2, run)
+                clean_run += n_clean
+                three = tl.arange(0, 4)
+                words = tl.where(three == 0, segments * CHUNK, tl.where(three == 1, run, clean_run))
+                tl.store(seg_ptr + SEG_WORDS * segments + 1 + 2 * three, words, mask=three < 3)
                 segments += 1
-            got = tl.minimum(run, want)
+        got = tl.minimum(run, want)
+        # The segment of the last victim: the first whose running total reaches got.
+        last_seg = segments
+        if got > 0:
+            for c0 in range(0, segments.to(tl.int32), BLOCK):
+                c = c0 + ar
+                total = tl.load(seg_ptr + SEG_WORDS * c + SEG_WORDS, mask=c < segments, other=0)
+                last_seg = tl.minimum(
+                    last_seg, tl.min(tl.where((c < segments) & (total >= got), c, segments), axis=0)
+                )
+        # A prepare whose misses all come from the CPU fills: a clean victim pops no row, and the row
+        # its miss leaves takes its copy's place in the free list (apply). Otherwise (a write, or a
+        # prepare of an entry never written: a miss with no row to leave) every victim pops one.
+        fill = tl.zeros((), dtype=tl.int64)
+        n_clean = tl.zeros((), dtype=tl.int64)
+        if not WRITE:
+            if not CACHE:
+                fill = (MC == M).to(tl.int64)
+                if (fill != 0) & (got > 0):
+                    w = tl.arange(0, 4)
+                    words = tl.load(seg_ptr + SEG_WORDS * last_seg + w, mask=w < SEG_WORDS, other=0)
+                    start = tl.sum(tl.where(w == 0, words, 0), axis=0)
+                    at = tl.sum(tl.where(w == 1, words, 0), axis=0)
+                    packed = tl.load(cand_ptr + at + (got - 1 - start))
+                    n_clean = (
+                        tl.sum(tl.where(w == 2, words, 0), axis=0)
+                        + (packed >> CAND_BEFORE_SHIFT)
+                        + ((packed >> CAND_CLEAN_BIT) & 1)
+                    )
+        if POLICY == K.EXACT_LRU:
             new_head = head
             if want > 0:
                 new_head = round_tail
                 if run >= want:
-                    # The segment of the last victim: the first whose running total reaches want.
-                    last_seg = segments
-                    for c0 in range(0, segments.to(tl.int32), BLOCK):
-                        c = c0 + ar
-                        total = tl.load(seg_ptr + 2 * c + 2, mask=c < segments, other=0)
-                        last_seg = tl.minimum(
-                            last_seg, tl.min(tl.where((c < segments) & (total >= want), c, segments), axis=0)
-                        )
+                    # The last victim's ring position, in its segment.
                     qi = head + last_seg * CHUNK + tl.arange(0, CHUNK)
                     eligible, s = _ring_candidates(
                         qi, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
                     )
-                    rank = tl.load(seg_ptr + 2 * last_seg) + tl.cumsum(eligible.to(tl.int64), axis=0)
+                    rank = tl.load(seg_ptr + SEG_WORDS * last_seg) + tl.cumsum(eligible.to(tl.int64), axis=0)
                     new_head = tl.max(tl.where(eligible & (rank == want), qi, -1), axis=0) + 1
             scanned = new_head - head
             head = new_head
         else:
             # PB-LRU's victims stay in their buckets until commit clears them (apply).
-            got = tl.minimum(run, want)
             scanned = segments * (CHUNK // 32)  # leaf words the lists were made from
         V = k_free + got
         if POLICY == K.PBLRU:
@@ -344,27 +466,29 @@ def victims_program(
             push_run += tl.sum(need_cpu, axis=0)
 
         # -- CPU rows: every miss past the free GPU slots pops one off the free list's top (for the
-        # entry it evicts, or for itself when a write finds no slot); every miss that came from the
-        # CPU leaves its row, which still holds its bytes, at the bottom, after its mapping moved.
+        # entry it evicts, or for itself when a write finds no slot), but a clean victim when the
+        # call fills; every miss that came from the CPU leaves its row, which still holds its bytes,
+        # at the bottom after its mapping moved, or, filling, in its clean victim's copy's place.
         # The classify programs copied the top to scratch, so the bottom may wrap over the popped
         # region without racing apply's readers of the pops.
-        pops = M - k_free
+        pops = M - k_free - n_clean
+        pushes = push_run - n_clean
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
         n_cpu = tl.load(gctl_ptr + K.G_CPU_FREE)
-        bottom = (tl.load(gctl_ptr + K.G_CPU_BOT) - push_run + C) % C
+        bottom = (tl.load(gctl_ptr + K.G_CPU_BOT) - pushes + C) % C
 
         tl.store(gctl_ptr + K.G_HEAD, head)
         tl.store(gctl_ptr + K.G_TAIL, q_run)
         tl.store(gctl_ptr + K.G_ROUND_TAIL, round_tail)
         tl.store(gctl_ptr + K.G_GPU_FREE, n_free)
-        tl.store(gctl_ptr + K.G_CPU_FREE, n_cpu - pops + push_run)
+        tl.store(gctl_ptr + K.G_CPU_FREE, n_cpu - pops + pushes)
         tl.store(gctl_ptr + K.G_CPU_BOT, bottom)
         tl.store(ctl_ptr + K.E_KFREE, k_free)
         tl.store(ctl_ptr + K.E_VICTIMS, V)
         tl.store(ctl_ptr + K.E_SEGMENTS, segments)
         tl.store(ctl_ptr + K.E_PUSH_BASE, bottom)
-        tl.store(ctl_ptr + K.E_POPS, pops)
+        tl.store(ctl_ptr + K.E_FILL, fill)
 
         # Evictions' bytes out are counted by apply, which knows which were clean.
         if WRITE:
@@ -388,7 +512,7 @@ def victims_program(
     # -- always: publish the status, clear the accumulator, advance the epoch ---------------------
     tl.store(ctl_ptr + K.E_LAST_STATUS, status)
     tl.store(ctl_ptr + K.E_STATUS, 0)
-    tl.store(ctl_ptr + K.E_DISTINCT, 0)
+    tl.store(ctl_ptr + K.E_DISTINCT + tl.arange(0, 2), tl.zeros((2,), tl.int64))  # and E_NEED
     tl.store(ctl_ptr + K.E_PENDING, tl.load(ctl_ptr + K.E_PENDING) | status)
     if epoch + 1 >= K.EPOCH_LIMIT:
         # Claim keys are (epoch << 32 | ~pos): before the epoch would overflow them, clear the
@@ -437,11 +561,14 @@ def victims_reference(
         bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
         # The candidate lists the classify made, as running totals (see victim_slot).
         segments = P if bitmaps is None else bitmaps.R * -(-st.gpu_slots // C)
-        scratch.seg[0] = 0
-        run = 0
+        sw = int(SEG_WORDS)
+        scratch.seg[0] = scratch.seg[2] = 0
+        run = clean_run = 0
         for k in range(segments):
-            run += int(scratch.seg[2 * k + 2])
-            scratch.seg[2 * k + 2] = run
+            run += int(scratch.seg[sw * k + sw])
+            clean_run += int(scratch.seg[sw * k + sw + 2])
+            scratch.seg[sw * k + sw] = run
+            scratch.seg[sw * k + sw + 2] = clean_run
         if bitmaps is None:
             scanned_from = head
             while len(victims) < M and head < round_tail:
@@ -455,13 +582,17 @@ def victims_reference(
             while run < M - k_free and scanned_from + segments * C < round_tail:
                 lo = scanned_from + segments * C
                 slots = ring_candidates_reference(st, g, lo, min(round_tail, lo + C))
+                clean = [False] * len(slots)
                 if not st.CACHE:
-                    list_copy_depths_reference(st, g, slots, scratch)
+                    clean = clean_candidates_reference(st, g, slots, M - k_free)
                 at = segments * C
-                scratch.cand[at : at + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+                packed = packed_candidates_reference(slots, clean)
+                scratch.cand[at : at + len(slots)] = torch.tensor(packed, dtype=torch.int64)
                 run += len(slots)
-                scratch.seg[2 * segments + 1] = at
-                scratch.seg[2 * segments + 2] = run
+                clean_run += sum(clean)
+                scratch.seg[sw * segments + 1] = at
+                scratch.seg[sw * segments + sw] = run
+                scratch.seg[sw * segments + sw + 2] = clean_run
                 segments += 1
         else:
             # Victims: cold, then the ring oldest first, lower slots first, never the current round;
@@ -495,15 +626,22 @@ def victims_reference(
             q_run += hits + max(0, min(V - j, need))
             push_run += counts[c][int(K.C_NEED_CPU)]
             j += need
-        pops = 0 if st.CACHE else M - k_free  # copied to scratch.popped by the classify
-        bottom = (int(gctl[int(K.G_CPU_BOT)]) - push_run) % st.cpu_stack_size
+        # Which victims go back to their copies, decided here from the state as the call began.
+        clean = [False] * (V - k_free)
+        if not st.CACHE:
+            clean = clean_candidates_reference(st, g, victims[k_free:], M - k_free)
+        fill = not write and not st.CACHE and MC == M
+        n_clean = sum(clean) if fill else 0
+        pops = 0 if st.CACHE else M - k_free - n_clean  # copied to scratch.popped by the classify
+        pushes = push_run - n_clean
+        bottom = (int(gctl[int(K.G_CPU_BOT)]) - pushes) % st.cpu_stack_size
         gctl[int(K.G_HEAD)] = head
         gctl[int(K.G_TAIL)] = q_run
         gctl[int(K.G_ROUND_TAIL)] = round_tail
         gctl[int(K.G_GPU_FREE)] = n_free
-        gctl[int(K.G_CPU_FREE)] += push_run - pops
+        gctl[int(K.G_CPU_FREE)] += pushes - pops
         gctl[int(K.G_CPU_BOT)] = bottom
-        ctl[int(K.E_POPS)] = pops
+        ctl[int(K.E_FILL)] = int(fill)
         ctl[int(K.E_KFREE)] = k_free
         ctl[int(K.E_VICTIMS)] = V
         ctl[int(K.E_SEGMENTS)] = segments
@@ -512,6 +650,9 @@ def victims_reference(
         assert listed == victims[k_free:], (
             f"candidate lists give {listed[:8]}, the policy {victims[k_free:8]}"
         )
+        listed_clean, before = victim_cleans(scratch, ctl.tolist(), torch.arange(k_free, V))
+        assert listed_clean.tolist() == clean, "the candidate lists' clean bits disagree"
+        assert before.tolist() == [sum(clean[:i]) for i in range(len(clean))]
         ctl[int(K.E_PUSH_BASE)] = bottom
         evicted = V - k_free
         if write:
@@ -525,7 +666,7 @@ def victims_reference(
         stats[int(K.S_ROUND_READS)] += round_reads
     ctl[int(K.E_LAST_STATUS)] = status
     ctl[int(K.E_STATUS)] = 0
-    ctl[int(K.E_DISTINCT)] = 0
+    ctl[int(K.E_DISTINCT)] = ctl[int(K.E_NEED)] = 0
     ctl[int(K.E_PENDING)] |= status
     if epoch + 1 >= K.EPOCH_LIMIT:
         st.claim.zero_()

@@ -6,8 +6,15 @@ its bytes. The row is free (it counts for admission like any other), but while n
 the entry can go back there with no copy when it is evicted: a *clean* eviction. The free list is a
 deque in a ring (``ulakv.layouts.tiered_state``): pops take the top, a release puts its rows on top,
 a swap-in leaves its row at the bottom, so plain free rows are handed out before copies and the
-oldest copies go first. A victim is clean when its copy is intact and no other miss of the same call
-popped that row; its own popped row then takes the copy's place in the list.
+oldest copies go first.
+
+A call decides which victims are clean from the state as it began: those whose copy is intact and
+lies at least as deep as the call can pop (a row per miss past the free GPU slots), so no pop of the
+call takes it. In a prepare whose misses all come from the CPU, a clean victim pops nothing and the
+row its own miss leaves takes its copy's place in the list: the rows the other victims pop come off
+the top, and no copy is lost to a victim that needed no row. Otherwise (a write; a prepare of an entry
+never written) every victim pops a row and a clean one puts it in its copy's place. A victim whose
+popped row is its own intact copy is clean too.
 
 The policies' models say which addresses move; this model says which rows they move to and what
 it costs, row for row what ``ulakv.kernels.apply`` does (``tests/test_traces.py`` holds a replay on
@@ -46,58 +53,114 @@ class CPUTierModel:
         row = self.copy.get(address)
         return row if row is not None and self.copy_of.get(row) == address else None
 
-    def place(self, victims: list[int], to_cpu: list[int]) -> int:
-        """One call's moves out of the GPU: ``victims`` (evicted, in eviction order), then
-        ``to_cpu`` (a write's new entries that found no GPU slot) each pop a row off the top.
-        Returns the victims whose bytes were copied (the others were clean)."""
+    def _clean_rows(self, victims: list[int], pops: int) -> list[int | None]:
+        """Each victim's intact copy if it lies below every row the call may pop (``pops``, the
+        state as the call began, as the classify programs decide it), else None."""
         top = self.bottom + self.count - 1
-        pops = len(victims) + len(to_cpu)
-        if pops > self.count:
-            raise ValueError(f"{pops} CPU rows needed, {self.count} free")
-        popped = [self.ring[(top - d) % self.cap] for d in range(pops)]
-        # Every decision reads the state as the call began, as apply's programs do.
-        clean = []
-        for a, row in zip(victims, popped, strict=False):
+        rows: list[int | None] = []
+        for a in victims:
             copy = self._intact(a)
             deep = copy is not None and (top - self.pos[copy]) % self.cap >= pops
-            clean.append(copy if deep or copy == row else None)
-        copied, returned = 0, set()
-        for i, row in enumerate(popped):
-            copy = clean[i] if i < len(victims) else None
-            dest = row if copy is None else copy
-            a = victims[i] if i < len(victims) else to_cpu[i - len(victims)]
-            self.copy_of.pop(dest, None)
-            self.copy.pop(a, None)
-            self.home[a] = dest
-            if i >= len(victims):
-                continue
-            if copy is None:
-                copied += 1
-                continue
-            self.clean_evictions += 1
-            if copy != row:  # the unused popped row takes the copy's place in the list
-                hole = self.pos.pop(copy)
-                self.ring[hole] = row
-                self.pos[row] = hole
-                returned.add(row)
-        for row in popped:
-            if row not in returned:
-                del self.pos[row]
-        self.count -= pops
+            rows.append(copy if deep else None)
+        return rows
+
+    def _pop(self, n: int) -> list[int]:
+        """The top ``n`` rows, off the list (a popped row keeps its copy until it becomes a home)."""
+        if n > self.count:
+            raise ValueError(f"{n} CPU rows needed, {self.count} free")
+        top = self.bottom + self.count - 1
+        rows = [self.ring[(top - d) % self.cap] for d in range(n)]
+        for row in rows:
+            del self.pos[row]
+        self.count -= n
+        return rows
+
+    def _push(self, rows: list[int]) -> None:
+        """``rows`` at the bottom of the list, the first lowest."""
+        self.bottom = (self.bottom - len(rows)) % self.cap
+        for k, row in enumerate(rows):
+            at = (self.bottom + k) % self.cap
+            self.ring[at] = row
+            self.pos[row] = at
+        self.count += len(rows)
+
+    def _home(self, address: int, row: int) -> None:
+        """``address`` now lives in ``row``: neither holds a copy any more."""
+        self.copy.pop(address, None)
+        self.copy_of.pop(row, None)
+        self.home[address] = row
+
+    def _fill(self, leaving: int, row: int) -> None:
+        """``row`` takes the place in the free list of ``leaving``, a row that becomes a home."""
+        at = self.pos.pop(leaving)
+        self.ring[at] = row
+        self.pos[row] = at
+
+    def place(self, victims: list[int], to_cpu: list[int]) -> int:
+        """A write's moves out of the GPU (or a prepare's that brings in an entry never written):
+        ``victims`` (evicted, in eviction order), then ``to_cpu`` (new entries that found no GPU
+        slot) each pop a row off the top; a clean victim goes back to its copy, and the row it
+        popped, unused, takes the copy's place in the list. Returns the victims whose bytes were
+        copied."""
+        clean = self._clean_rows(victims, len(victims) + len(to_cpu))
+        popped = self._pop(len(victims) + len(to_cpu))
+        copied = 0
+        for a, row, copy in zip(victims, popped, clean, strict=False):
+            if copy is not None:
+                self._fill(copy, row)
+            copied += self._evict(a, row, copy)
+        for a, row in zip(to_cpu, popped[len(victims) :], strict=True):
+            self._home(a, row)
+        return copied
+
+    def _evict(self, address: int, popped: int | None, copy: int | None) -> int:
+        """``address`` leaves the GPU for its clean ``copy``, or for the row it ``popped``: with no
+        copy when that row is its own intact copy. Returns 1 if its bytes were copied."""
+        own = copy is None and self._intact(address) == popped
+        self._home(address, popped if copy is None else copy)
+        if copy is None and not own:
+            return 1
+        self.clean_evictions += 1
+        return 0
+
+    def prepare(self, victims: list[int], misses: list[int]) -> int:
+        """One prepare's moves: ``misses`` (in miss order) come in, the last ``len(victims)`` of
+        them into the victims' slots. A clean victim pops nothing: it goes back to its copy, and the
+        row its miss leaves takes the copy's place in the list; only the others pop rows off the top,
+        and the other misses' rows go to the bottom, the first lowest. Every row a miss leaves still
+        holds its entry's bytes: a copy. Returns the victims whose bytes were copied."""
+        if any(a not in self.home for a in misses):  # an entry never written has no row to leave
+            copied = self.place(victims, [])
+            self.swap_in([a for a in misses if a in self.home])
+            return copied
+        clean = self._clean_rows(victims, len(victims))
+        popped = iter(self._pop(sum(1 for copy in clean if copy is None)))
+        rows = [self.home.pop(a) for a in misses]
+        k_free = len(misses) - len(victims)
+        pushed, copied = [], 0
+        for j, row in enumerate(rows):
+            i = j - k_free
+            copy = clean[i] if i >= 0 else None
+            if copy is not None:
+                self._fill(copy, row)
+            else:
+                pushed.append(row)
+            if i >= 0:
+                copied += self._evict(victims[i], None if copy is not None else next(popped), copy)
+        self._push(pushed)
+        for a, row in zip(misses, rows, strict=True):
+            self.copy_of[row] = a
+            self.copy[a] = row
         return copied
 
     def swap_in(self, addresses: list[int]) -> None:
         """Misses that came from the CPU, in miss order, now on the GPU: each row, still holding its
         entry's bytes, goes to the bottom of the free list (the first miss's lowest)."""
         rows = [self.home.pop(a) for a in addresses]
-        self.bottom = (self.bottom - len(rows)) % self.cap
-        for k, (a, row) in enumerate(zip(addresses, rows, strict=True)):
-            at = (self.bottom + k) % self.cap
-            self.ring[at] = row
-            self.pos[row] = at
+        self._push(rows)
+        for a, row in zip(addresses, rows, strict=True):
             self.copy_of[row] = a
             self.copy[a] = row
-        self.count += len(rows)
 
     def rewrite(self, addresses: Iterable[int]) -> None:
         """Entries on the GPU written again: a copy of them no longer matches."""
