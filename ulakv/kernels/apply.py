@@ -193,6 +193,7 @@ def apply_kernel(
     cpu_pos_ptr,
     copy_slot_ptr,
     copy_row_ptr,
+    copy_depth_ptr,
     slot_of_ptr,
     C,
     stats_ptr,
@@ -264,16 +265,22 @@ def apply_kernel(
         )
 
         # A victim whose entry came in from a CPU row that still holds its bytes (a free row, its
-        # copy) goes back there with no copy: a *clean* eviction. The plan decided which (the copy
-        # lay below every row the call can pop, as it began). A victim whose popped row is its own
-        # intact copy is clean too (``own``: nothing moves). Only commit rewrites a victim's copy
-        # word and only this victim's evict its copy's, so every phase before reads the same.
+        # copy) goes back there with no copy: a *clean* eviction. When the plan fills, the victims
+        # it counted clean pop nothing (``fills``). Every other victim popped a row; it goes back to
+        # its copy all the same (``back``) when the copy is intact and no pop of the call took it:
+        # it lies deeper than the call's pops (as the call began: the classify took the depth), or
+        # it is the row the victim popped itself. Its popped row then takes the copy's place. The
+        # words read here change only at commit, or by a pop of that very copy, which rules it out
+        # anyway: every phase of every launch of this plan decides the same.
         copy = tl.full((ROWS,), -1, tl.int32)
-        own = has_slot & (copy >= 0)
+        back = has_slot & (copy >= 0)
         if not CACHE:  # a buffer's victims live on their home rank: no copies
             copy = tl.load(copy_row_ptr + v, mask=has_slot & popping, other=-1)
-            own = popping & ~fills & ~clean & (copy == cpu_row)
-            own = own & (tl.load(copy_slot_ptr + copy, mask=own, other=-1) == v)
+            back = popping & ~fills & (copy >= 0)
+            back = back & (tl.load(copy_slot_ptr + copy, mask=back, other=-1) == v)
+            deep = tl.load(copy_depth_ptr + v, mask=back, other=0) >= _word(ctl, K.E_POPS)
+            back = back & (deep | (copy == cpu_row))
+        clean = fills | back  # no bytes move
         dest = tl.where(clean, copy, cpu_row)  # the victim's CPU row
 
         # -- out: victims' rows, every layer, to their popped CPU rows ----------------------------
@@ -281,7 +288,7 @@ def apply_kernel(
         if run_out and not CACHE:
             if has_misses:
                 old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
-                evict = (has_slot & popping & (old >= 0) & ~clean & ~own)[:, None] & wm[None, :]
+                evict = (has_slot & popping & (old >= 0) & ~clean)[:, None] & wm[None, :]
                 v2 = v.to(tl.int64)[:, None] * W + w[None, :]
                 dest2 = cpu_row.to(tl.int64)[:, None] * W + w[None, :]
                 for layer in range(L):
@@ -301,17 +308,17 @@ def apply_kernel(
                     # A row that becomes a home copies nothing (the slot's own word is rewritten
                     # at commit, before any other call can read it).
                     tl.store(copy_slot_ptr + dest, tl.full((ROWS,), -1, tl.int32), mask=popping)
-                    # A clean victim's row leaves the free list from wherever it sat. Unless the
-                    # plan fills (commit puts the miss's row there), its popped row, unused, takes
-                    # its place.
-                    refill = evict & clean & ~fills
+                    # A clean victim's row leaves the free list from wherever it sat. When it
+                    # popped a row, that row, unused, takes its place (when it fills, commit puts
+                    # its miss's row there).
+                    refill = evict & back & (copy != cpu_row)
                     hole = tl.load(cpu_pos_ptr + copy, mask=refill, other=0)
                     tl.store(cpu_free_ptr + hole, cpu_row, mask=refill)
                     tl.store(cpu_pos_ptr + cpu_row, hole, mask=refill)
                     # Bytes out (the copies) and clean evictions, in one two-lane atomic.
                     pair = tl.arange(0, 2)
-                    n_clean = tl.sum((evict & (clean | own)).to(tl.int64), axis=0)
-                    n_dirty = tl.sum((evict & ~clean & ~own).to(tl.int64), axis=0)
+                    n_clean = tl.sum((evict & clean).to(tl.int64), axis=0)
+                    n_dirty = tl.sum((evict & ~clean).to(tl.int64), axis=0)
                     added = tl.where(pair == 0, n_dirty * group_row_bytes, n_clean)
                     word = tl.where(pair == 0, K.S_BYTES_OUT, K.S_CLEAN)
                     tl.atomic_add(stats_ptr + word, added, mask=added > 0, sem="relaxed")
@@ -597,6 +604,7 @@ def apply(
         st.cpu_pos[g],
         st.copy_slot[g],
         st.copy_row[g],
+        scratch.copy_depth,
         scratch.slot_of,
         st.cpu_stack_size,
         st.stats,
@@ -640,26 +648,28 @@ def apply_reference(
     local = write_layer - layers.start
     new_rows = rows.view(torch.uint8).reshape(T, -1) if write else None
 
-    fill = int(st.ctl[int(K.E_FILL)])
+    fill, pops = int(st.ctl[int(K.E_FILL)]), int(st.ctl[int(K.E_POPS)])
     clean_bit, before = victim_cleans(scratch, st.ctl.tolist(), torch.arange(V))
     cap, stats, group_row_bytes = st.cpu_stack_size, st.stats, len(layers) * st.gpu_data.shape[-1]
 
     def misses(c: int):
         """Chunk ``c``'s misses: index, position, address, source home, GPU slot (or None), the copy
-        its victim goes back to if clean (or None: the plan's clean victims; a victim whose popped
-        row is its own intact copy goes back there too), and the CPU row it popped (or None)."""
+        its victim goes back to if clean (or None), and the CPU row it popped (or None: a miss into
+        a free slot, or one whose victim the plan counted clean when it fills)."""
         m_off = int(scratch.chunk_off[c, int(K.O_MISS)])
         for r in range(int(scratch.counts[c, int(K.C_NEED)])):
             p, j = int(scratch.miss_pos[c * C + r]), m_off + r
             v = victim[j] if j < V else None
-            copy = int(st.copy_row[g, v]) if v is not None and bool(clean_bit[j]) else None
-            popped = None
-            if j >= k_free and not (copy is not None and fill):
+            mine = int(st.copy_row[g, v]) if v is not None and not st.CACHE else -1
+            copy = popped = None
+            if fill and v is not None and bool(clean_bit[j]):
+                copy = mine
+            elif j >= k_free:
                 popped = int(scratch.popped[j - k_free - fill * int(before[j] if j < V else 0)])
-            if v is not None and popped is not None and copy is None and not st.CACHE:
-                mine = int(st.copy_row[g, v])
-                if mine == popped and int(st.copy_slot[g, mine]) == v:
-                    copy = popped
+                # Back to its copy when intact and no pop of the call took it.
+                if mine >= 0 and int(st.copy_slot[g, mine]) == v:
+                    if int(scratch.copy_depth[v]) >= pops or mine == popped:
+                        copy = mine
             yield j, p, int(flat[p]), int(scratch.home[p]), v, copy, popped
 
     def slot_of(pos: int) -> int:

@@ -26,7 +26,8 @@ E_MAX_SELECTION = tl.constexpr(9)  # most distinct addresses a prepare may selec
 E_ARRIVED = tl.constexpr(10)  # classify programs done this call; the last one plans, then clears it
 E_SEGMENTS = tl.constexpr(11)  # segments of the call's candidate list (victims past the free slots)
 E_FILL = tl.constexpr(12)  # 1: clean victims pop no CPU row; their copies' places take their misses' rows
-CTL_WORDS = 13
+E_POPS = tl.constexpr(13)  # CPU rows this call pops off the top of the free list
+CTL_WORDS = 14
 CTL_BLOCK = tl.constexpr(16)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.

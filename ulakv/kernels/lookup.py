@@ -167,6 +167,7 @@ def classify_kernel(
     cpu_pos_ptr,
     copy_row_ptr,
     copy_slot_ptr,
+    copy_depth_ptr,
     victims_ptr,
     popped_ptr,
     cand_ptr,
@@ -270,7 +271,9 @@ def classify_kernel(
         )
         clean = eligible & (tl.zeros_like(s) != 0)
         if not CACHE:
-            clean = _clean_candidates(s, eligible, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, pops)
+            clean = _clean_candidates(
+                s, eligible, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, copy_depth_ptr, top, C, pops
+            )
         packed, n_clean = _packed_candidates(s, clean, eligible)
         cand_rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
         tl.store(cand_ptr + pid.to(tl.int64) * CHUNK + cand_rank, packed, mask=eligible)
@@ -295,7 +298,9 @@ def classify_kernel(
             valid = slot < G
             clean = valid & (slot < 0)
             if not CACHE:  # whatever their bucket: one pass over the range
-                clean = _clean_candidates(slot, valid, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, pops)
+                clean = _clean_candidates(
+                    slot, valid, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, copy_depth_ptr, top, C, pops
+                )
             unprotected = valid & (tl.load(mark_ptr + slot, mask=valid, other=0) != epoch)
             listed = tl.zeros((), dtype=tl.int64)
             for i in range(0, R):
@@ -335,6 +340,7 @@ def classify_kernel(
             copy_row_ptr,
             copy_slot_ptr,
             cpu_pos_ptr,
+            copy_depth_ptr,
             mark_ptr,
             claim_ptr,
             cand_ptr,
@@ -399,6 +405,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         st.cpu_pos[g],
         st.copy_row[g],
         st.copy_slot[g],
+        scratch.copy_depth,
         scratch.victims,
         scratch.popped,
         scratch.cand,
@@ -494,7 +501,9 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
 
     def list_segment(k: int, at: int, slots: list[int]) -> None:
         """Segment ``k``: its candidates at ``cand[at:]``, and its words (lengths one segment on)."""
-        clean = clean_candidates_reference(st, g, slots, pops) if not st.CACHE else [False] * len(slots)
+        clean = [False] * len(slots)
+        if not st.CACHE:
+            clean = clean_candidates_reference(st, g, slots, pops, scratch)
         packed = packed_candidates_reference(slots, clean)
         scratch.cand[at : at + len(slots)] = torch.tensor(packed, dtype=torch.int64)
         scratch.seg[sw * k + 1] = at
@@ -512,6 +521,8 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
         bitmaps = PBLRUBits(st, g)
         cur = int(st.gctl[g, int(K.G_ROUND)]) + (0 if write else 1)
         ranges = -(-G // C)
+        if not st.CACHE:  # each range's copies, whatever their bucket: one pass over the range
+            clean_candidates_reference(st, g, list(range(G)), pops, scratch)
         for q in range(ranges):
             listed = 0
             for i in range(bitmaps.R):

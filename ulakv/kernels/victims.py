@@ -102,27 +102,36 @@ SEG_WORDS = tl.constexpr(3)
 
 
 @triton.jit
-def _clean_candidates(s, listed, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, pops):
+def _clean_candidates(s, listed, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, copy_depth_ptr, top, C, pops):
     """Which listed candidate slots ``s`` would be evicted clean: the copy their entry left in a CPU
     row is intact and lies ``pops`` rows or more below the top of the free list as the call began
     (``pops``: one row per miss past the free GPU slots, the most this call can pop), so no pop of
-    this call takes it, however apply places its pops."""
+    this call takes it, however apply places its pops. Each copy's depth is kept (``copy_depth``)
+    for apply, which sends back to its copy every victim whose copy the call's actual pops miss:
+    taken here because apply's hole filling moves rows in the list while its programs decide."""
     copy = tl.load(copy_row_ptr + s, mask=listed, other=-1)
     has = listed & (copy >= 0)
     intact = has & (tl.load(copy_slot_ptr + copy, mask=has, other=-1) == s)
-    at = tl.load(cpu_pos_ptr + copy, mask=intact, other=0)
-    return intact & ((((top - at) % C + C) % C) >= pops)
+    depth = ((top - tl.load(cpu_pos_ptr + copy, mask=has, other=0)) % C + C) % C
+    tl.store(copy_depth_ptr + s, depth.to(tl.int32), mask=has)
+    return intact & (depth >= pops)
 
 
-def clean_candidates_reference(st, g: int, slots: list[int], pops: int) -> list[bool]:
-    """Plain-Python twin of ``_clean_candidates`` (the pool's state as the call began)."""
+def clean_candidates_reference(st, g: int, slots: list[int], pops: int, scratch=None) -> list[bool]:
+    """Plain-Python twin of ``_clean_candidates`` (the pool's state as the call began); stores the
+    depths in ``scratch.copy_depth`` when given."""
     cap, count = st.cpu_stack_size, int(st.gctl[g, int(K.G_CPU_FREE)])
     top = int(st.gctl[g, int(K.G_CPU_BOT)]) + count - 1
     out = []
     for s in slots:
         copy = int(st.copy_row[g, s])
-        intact = copy >= 0 and int(st.copy_slot[g, copy]) == s
-        out.append(intact and (top - int(st.cpu_pos[g, copy])) % cap >= pops)
+        if copy < 0:
+            out.append(False)
+            continue
+        depth = (top - int(st.cpu_pos[g, copy])) % cap
+        if scratch is not None:
+            scratch.copy_depth[s] = depth
+        out.append(int(st.copy_slot[g, copy]) == s and depth >= pops)
     return out
 
 
@@ -255,6 +264,7 @@ def victims_program(
     copy_row_ptr,
     copy_slot_ptr,
     cpu_pos_ptr,
+    copy_depth_ptr,
     mark_ptr,
     claim_ptr,
     cand_ptr,
@@ -348,7 +358,7 @@ def victims_program(
                 if not CACHE:
                     top = tl.load(gctl_ptr + K.G_CPU_BOT) + tl.load(gctl_ptr + K.G_CPU_FREE) - 1
                     clean = _clean_candidates(
-                        s, eligible, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, want
+                        s, eligible, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, copy_depth_ptr, top, C, want
                     )
                 packed, n_clean = _packed_candidates(s, clean, eligible)
                 rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
@@ -489,6 +499,7 @@ def victims_program(
         tl.store(ctl_ptr + K.E_SEGMENTS, segments)
         tl.store(ctl_ptr + K.E_PUSH_BASE, bottom)
         tl.store(ctl_ptr + K.E_FILL, fill)
+        tl.store(ctl_ptr + K.E_POPS, pops)
 
         # Evictions' bytes out are counted by apply, which knows which were clean.
         if WRITE:
@@ -584,7 +595,7 @@ def victims_reference(
                 slots = ring_candidates_reference(st, g, lo, min(round_tail, lo + C))
                 clean = [False] * len(slots)
                 if not st.CACHE:
-                    clean = clean_candidates_reference(st, g, slots, M - k_free)
+                    clean = clean_candidates_reference(st, g, slots, M - k_free, scratch)
                 at = segments * C
                 packed = packed_candidates_reference(slots, clean)
                 scratch.cand[at : at + len(slots)] = torch.tensor(packed, dtype=torch.int64)
@@ -642,6 +653,7 @@ def victims_reference(
         gctl[int(K.G_CPU_FREE)] += pushes - pops
         gctl[int(K.G_CPU_BOT)] = bottom
         ctl[int(K.E_FILL)] = int(fill)
+        ctl[int(K.E_POPS)] = pops
         ctl[int(K.E_KFREE)] = k_free
         ctl[int(K.E_VICTIMS)] = V
         ctl[int(K.E_SEGMENTS)] = segments

@@ -265,13 +265,16 @@ class CallScratch(_Tensors):
     popped: torch.Tensor  # int32 [cap]: the top of the free CPU-row stack (the rows popped)
     cand: torch.Tensor  # int64 [lists * CHUNK]: eviction candidates (slot, clean, clean before it)
     seg: torch.Tensor  # int64 [3 * segments + 3]: each segment's first rank, place in cand, clean before
+    copy_depth: torch.Tensor  # int32 [G]: a listed candidate's copy's depth in the CPU free list
     slot_of: torch.Tensor  # int32 [cap]: a prepare's slot of each element, as its evict phase wrote it
 
     @classmethod
-    def allocate(cls, capacity: int, device: torch.device, lists: int = 1, segments: int = 1) -> CallScratch:
+    def allocate(
+        cls, capacity: int, device: torch.device, lists: int = 1, segments: int = 1, slots: int = 1
+    ) -> CallScratch:
         """Scratch for ``capacity`` elements. Eviction candidates come in ``lists`` lists of
         ``CHUNK`` (the LRU ring's length, or the GPU slots, over ``CHUNK``) cut in ``segments``
-        segments (exact LRU: one a list; PB-LRU: one a list and bucket)."""
+        segments (exact LRU: one a list; PB-LRU: one a list and bucket), among ``slots`` GPU slots."""
         chunks = triton.cdiv(capacity, K.CHUNK)
         lists, segments = max(chunks, lists), max(chunks, segments)
         i32 = dict(dtype=torch.int32, device=device)
@@ -288,6 +291,7 @@ class CallScratch(_Tensors):
             popped=torch.empty(capacity, **i32),
             cand=torch.empty(lists * K.CHUNK, dtype=torch.int64, device=device),
             seg=torch.empty(3 * segments + 3, dtype=torch.int64, device=device),
+            copy_depth=torch.empty(max(slots, 1), **i32),
             slot_of=torch.empty(capacity, **i32),
         )
 
@@ -338,6 +342,7 @@ class TieredLayout:
             self.config.torch_device,
             lists=max(ring_lists, slot_lists),
             segments=max(ring_lists, slot_lists * max(st.num_buckets, 1)),
+            slots=st.gpu_slots,
         )
         if not self._reserved:
             self._scratch = fresh

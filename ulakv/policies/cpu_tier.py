@@ -102,51 +102,59 @@ class CPUTierModel:
         slot) each pop a row off the top; a clean victim goes back to its copy, and the row it
         popped, unused, takes the copy's place in the list. Returns the victims whose bytes were
         copied."""
-        clean = self._clean_rows(victims, len(victims) + len(to_cpu))
-        popped = self._pop(len(victims) + len(to_cpu))
+        pops = len(victims) + len(to_cpu)
+        back, mine = self._clean_rows(victims, pops), [self._intact(a) for a in victims]
+        popped = self._pop(pops)
         copied = 0
-        for a, row, copy in zip(victims, popped, clean, strict=False):
-            if copy is not None:
-                self._fill(copy, row)
-            copied += self._evict(a, row, copy)
+        for a, row, copy, own in zip(victims, popped, back, mine, strict=False):
+            copied += self._evict(a, row, copy if copy is not None else (own if own == row else None))
         for a, row in zip(to_cpu, popped[len(victims) :], strict=True):
             self._home(a, row)
         return copied
 
     def _evict(self, address: int, popped: int | None, copy: int | None) -> int:
-        """``address`` leaves the GPU for its clean ``copy``, or for the row it ``popped``: with no
-        copy when that row is its own intact copy. Returns 1 if its bytes were copied."""
-        own = copy is None and self._intact(address) == popped
-        self._home(address, popped if copy is None else copy)
-        if copy is None and not own:
+        """``address`` leaves the GPU: back to its ``copy`` if given (the row it ``popped``, if any
+        and another, takes the copy's place in the list), else to the row it popped. Returns 1 if
+        its bytes were copied."""
+        if copy is None:
+            self._home(address, popped)
             return 1
+        if popped is not None and popped != copy:
+            self._fill(copy, popped)
+        self._home(address, copy)
         self.clean_evictions += 1
         return 0
 
     def prepare(self, victims: list[int], misses: list[int]) -> int:
         """One prepare's moves: ``misses`` (in miss order) come in, the last ``len(victims)`` of
-        them into the victims' slots. A clean victim pops nothing: it goes back to its copy, and the
-        row its miss leaves takes the copy's place in the list; only the others pop rows off the top,
-        and the other misses' rows go to the bottom, the first lowest. Every row a miss leaves still
-        holds its entry's bytes: a copy. Returns the victims whose bytes were copied."""
+        them into the victims' slots. A victim counted clean pops nothing: it goes back to its copy,
+        and the row its miss leaves takes the copy's place in the list. The others pop rows off the
+        top; one whose copy no pop of the call took (deeper than the call's pops, or the row it
+        popped itself) goes back there all the same, its popped row in the copy's place. The other
+        misses' rows go to the bottom, the first lowest. Every row a miss leaves still holds its
+        entry's bytes: a copy. Returns the victims whose bytes were copied."""
         if any(a not in self.home for a in misses):  # an entry never written has no row to leave
             copied = self.place(victims, [])
             self.swap_in([a for a in misses if a in self.home])
             return copied
         clean = self._clean_rows(victims, len(victims))
-        popped = iter(self._pop(sum(1 for copy in clean if copy is None)))
+        pops = sum(1 for copy in clean if copy is None)
+        back, mine = self._clean_rows(victims, pops), [self._intact(a) for a in victims]
+        popped = iter(self._pop(pops))
         rows = [self.home.pop(a) for a in misses]
         k_free = len(misses) - len(victims)
         pushed, copied = [], 0
         for j, row in enumerate(rows):
             i = j - k_free
-            copy = clean[i] if i >= 0 else None
-            if copy is not None:
-                self._fill(copy, row)
-            else:
-                pushed.append(row)
+            if i >= 0 and clean[i] is not None:
+                self._fill(clean[i], row)
+                copied += self._evict(victims[i], None, clean[i])
+                continue
+            pushed.append(row)
             if i >= 0:
-                copied += self._evict(victims[i], None if copy is not None else next(popped), copy)
+                top = next(popped)
+                own = mine[i] if mine[i] == top else None
+                copied += self._evict(victims[i], top, back[i] if back[i] is not None else own)
         self._push(pushed)
         for a, row in zip(misses, rows, strict=True):
             self.copy_of[row] = a
