@@ -14,12 +14,12 @@ an engine can bring the first layer in at once and the others on a side stream.
 Programs never touch each other's rows: a victim slot, a popped CPU row and a miss's source row each
 belong to exactly one miss, and victims are never selected in the same call.
 
-A clean victim (the plan says which: ``ulakv.kernels.victims``) copies nothing: its mapping moves to
-its copy, a free row that still holds its bytes, and that row leaves the free list. When the plan
-fills, commit puts the row its miss leaves in the copy's place (until then the list still names the
-copy: no call pops while a plan is pending, since every call finishes it first); otherwise the row
-the victim popped goes there at once. A victim whose popped row is its own intact copy moves nothing
-either.
+A clean victim copies nothing: its mapping moves to its copy, a free row that still holds its bytes,
+and that row leaves the free list. The victims the plan counted clean pop no row when it fills
+(``ulakv.kernels.victims``): commit puts the row each one's miss leaves in its copy's place (until
+then the list still names the copy: no call pops while a plan is pending, since every call finishes
+it first). Every other victim popped a row and goes back to its copy all the same when no pop of the
+call took it; the row it popped goes in the copy's place at once.
 
 Recency (exact LRU): every distinct GPU-resident address of the call is appended to the LRU queue
 with a new version; older pairs of the same slot turn stale. PB-LRU moved hits to the current

@@ -13,8 +13,9 @@ lies at least as deep as the call can pop (a row per miss past the free GPU slot
 call takes it. In a prepare whose misses all come from the CPU, a clean victim pops nothing and the
 row its own miss leaves takes its copy's place in the list: the rows the other victims pop come off
 the top, and no copy is lost to a victim that needed no row. Otherwise (a write; a prepare of an entry
-never written) every victim pops a row and a clean one puts it in its copy's place. A victim whose
-popped row is its own intact copy is clean too.
+never written) every victim pops a row. A victim that popped a row goes back to its copy all the
+same when no pop of the call took it (deeper than the rows the call actually pops, or the very row
+it popped), and the row it popped takes the copy's place.
 
 The policies' models say which addresses move; this model says which rows they move to and what
 it costs, row for row what ``ulakv.kernels.apply`` does (``tests/test_traces.py`` holds a replay on
