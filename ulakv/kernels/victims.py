@@ -78,6 +78,12 @@ def ring_candidates_reference(st, g: int, lo: int, hi: int) -> list[int]:
 
 
 @triton.jit
+def _pick(words, i):
+    """Word ``i`` of control words loaded at once."""
+    return tl.sum(tl.where(tl.arange(0, words.shape[0]) == i, words, 0), axis=0)
+
+
+@triton.jit
 def _count_rows(counts_ptr, c, P):
     """The per-chunk count rows of chunks ``c`` (below ``P``), int64 ``[len(c), 4]``, in one load."""
     w = tl.arange(0, 4)[None, :]  # COUNT_WORDS
@@ -286,9 +292,15 @@ def victims_program(
     CACHE: tl.constexpr,
 ):
     ar = tl.arange(0, BLOCK)
-    status = tl.load(ctl_ptr + K.E_STATUS)
-    epoch = tl.load(ctl_ptr + K.E_EPOCH)
-    D = tl.load(ctl_ptr + K.E_DISTINCT)  # counted by the claim
+    # The call's and the group's control words, one load each: every scalar load or store here is
+    # a dependent step of the one program that plans (the critical path).
+    cw = tl.arange(0, K.CTL_BLOCK)
+    ctl = tl.load(ctl_ptr + cw, mask=cw < K.CTL_WORDS, other=0)
+    gw = tl.arange(0, K.GCTL_WORDS)
+    gctl = tl.load(gctl_ptr + gw)
+    status = _pick(ctl, K.E_STATUS)
+    epoch = _pick(ctl, K.E_EPOCH)
+    D = _pick(ctl, K.E_DISTINCT)  # counted by the claim
     H = tl.zeros((), dtype=tl.int64)
     M = tl.zeros((), dtype=tl.int64)
     MC = tl.zeros((), dtype=tl.int64)
@@ -300,15 +312,15 @@ def victims_program(
         MC += tl.sum(_column(counts, K.C_NEED_CPU), axis=0)
         CF += tl.sum(_column(counts, K.C_CPU_FIRST), axis=0)
     if not WRITE:
-        if tl.load(ctl_ptr + K.E_MAX_SELECTION) < D:
+        if _pick(ctl, K.E_MAX_SELECTION) < D:
             status = status | K.ST_TOO_LARGE
     if status == 0:
-        head = tl.load(gctl_ptr + K.G_HEAD)
-        tail = tl.load(gctl_ptr + K.G_TAIL)
-        round_tail = tl.load(gctl_ptr + K.G_ROUND_TAIL)
+        head = _pick(gctl, K.G_HEAD)
+        tail = _pick(gctl, K.G_TAIL)
+        round_tail = _pick(gctl, K.G_ROUND_TAIL)
         # Kept in a register: a scalar store is one thread's, and re-loading the word right after
         # it could give other warps the old round.
-        rnd = tl.load(gctl_ptr + K.G_ROUND)
+        rnd = _pick(gctl, K.G_ROUND)
         if not WRITE:
             # A new round: everything appended so far is older than this round's touches.
             round_tail = tail
@@ -317,7 +329,7 @@ def victims_program(
 
         # -- victims: free GPU slots first (every classify program copied its share of the stack's
         # top into the victim list) ---------------------------------------------------------------
-        n_free = tl.load(gctl_ptr + K.G_GPU_FREE)
+        n_free = _pick(gctl, K.G_GPU_FREE)
         k_free = tl.minimum(M, n_free)
         n_free = n_free - k_free
 
@@ -356,7 +368,7 @@ def victims_program(
                 )
                 clean = eligible & (tl.zeros_like(s) != 0)
                 if not CACHE:
-                    top = tl.load(gctl_ptr + K.G_CPU_BOT) + tl.load(gctl_ptr + K.G_CPU_FREE) - 1
+                    top = _pick(gctl, K.G_CPU_BOT) + _pick(gctl, K.G_CPU_FREE) - 1
                     clean = _clean_candidates(
                         s, eligible, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, copy_depth_ptr, top, C, want
                     )
@@ -485,56 +497,53 @@ def victims_program(
         pushes = push_run - n_clean
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
-        n_cpu = tl.load(gctl_ptr + K.G_CPU_FREE)
-        bottom = (tl.load(gctl_ptr + K.G_CPU_BOT) - pushes + C) % C
+        bottom = (_pick(gctl, K.G_CPU_BOT) - pushes + C) % C
+        n_cpu = _pick(gctl, K.G_CPU_FREE) - pops + pushes
 
-        tl.store(gctl_ptr + K.G_HEAD, head)
-        tl.store(gctl_ptr + K.G_TAIL, q_run)
-        tl.store(gctl_ptr + K.G_ROUND_TAIL, round_tail)
-        tl.store(gctl_ptr + K.G_GPU_FREE, n_free)
-        tl.store(gctl_ptr + K.G_CPU_FREE, n_cpu - pops + pushes)
-        tl.store(gctl_ptr + K.G_CPU_BOT, bottom)
-        tl.store(ctl_ptr + K.E_KFREE, k_free)
-        tl.store(ctl_ptr + K.E_VICTIMS, V)
-        tl.store(ctl_ptr + K.E_SEGMENTS, segments)
-        tl.store(ctl_ptr + K.E_PUSH_BASE, bottom)
-        tl.store(ctl_ptr + K.E_FILL, fill)
-        tl.store(ctl_ptr + K.E_POPS, pops)
+        # The group's words G_HEAD .. G_CPU_BOT, and the plan's words apply reads, one store each.
+        g_new = tl.where(gw == K.G_HEAD, head, tl.where(gw == K.G_TAIL, q_run, round_tail))
+        g_new = tl.where(gw == K.G_GPU_FREE, n_free, tl.where(gw == K.G_CPU_FREE, n_cpu, g_new))
+        g_new = tl.where(gw == K.G_CPU_BOT, bottom, g_new)
+        tl.store(gctl_ptr + gw, g_new, mask=(gw >= K.G_HEAD) & (gw <= K.G_CPU_BOT))
+        plan = tl.where(cw == K.E_KFREE, k_free, tl.where(cw == K.E_VICTIMS, V, bottom))
+        plan = tl.where(cw == K.E_SEGMENTS, segments, tl.where(cw == K.E_FILL, fill, plan))
+        plan = tl.where(cw == K.E_POPS, pops, plan)
+        planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE)
+        planned = planned | (cw == K.E_SEGMENTS) | (cw == K.E_FILL) | (cw == K.E_POPS)
+        tl.store(ctl_ptr + cw, plan, mask=planned)
 
-        # Evictions' bytes out are counted by apply, which knows which were clean.
+        # Counters, in one load and one store of the words that change. Evictions' bytes out are
+        # counted by apply, which knows which were clean.
+        sw = tl.arange(0, K.STATS_WORDS)
+        delta = tl.where(sw == K.S_VICTIMS, V - k_free, tl.where(sw == K.S_SEARCH_READS, scanned, 0))
+        delta = tl.where(sw == K.S_ROUND_READS, round_reads, delta)
         if WRITE:
             cpu_rows = CF + (M - V)  # written in place on the CPU, or new entries homed there
-            tl.store(
-                stats_ptr + K.S_BYTES_OUT,
-                tl.load(stats_ptr + K.S_BYTES_OUT) + cpu_rows * layer_row_bytes,
-            )
+            delta = tl.where(sw == K.S_BYTES_OUT, cpu_rows * layer_row_bytes, delta)
         else:
-            tl.store(stats_ptr + K.S_HITS, tl.load(stats_ptr + K.S_HITS) + H)
-            tl.store(stats_ptr + K.S_MISSES, tl.load(stats_ptr + K.S_MISSES) + M)
             fetched = MC  # a tier swaps in its CPU-resident misses
             if CACHE:  # a buffer fetches every miss and drops its victims
                 fetched = M
-            tl.store(stats_ptr + K.S_BYTES_IN, tl.load(stats_ptr + K.S_BYTES_IN) + fetched * group_row_bytes)
-        evicted = V - k_free
-        tl.store(stats_ptr + K.S_VICTIMS, tl.load(stats_ptr + K.S_VICTIMS) + evicted)
-        tl.store(stats_ptr + K.S_SEARCH_READS, tl.load(stats_ptr + K.S_SEARCH_READS) + scanned)
-        tl.store(stats_ptr + K.S_ROUND_READS, tl.load(stats_ptr + K.S_ROUND_READS) + round_reads)
+            delta = tl.where(sw == K.S_HITS, H, tl.where(sw == K.S_MISSES, M, delta))
+            delta = tl.where(sw == K.S_BYTES_IN, fetched * group_row_bytes, delta)
+        tl.store(stats_ptr + sw, tl.load(stats_ptr + sw) + delta, mask=delta != 0)
 
-    # -- always: publish the status, clear the accumulator, advance the epoch ---------------------
-    tl.store(ctl_ptr + K.E_LAST_STATUS, status)
-    tl.store(ctl_ptr + K.E_STATUS, 0)
-    tl.store(ctl_ptr + K.E_DISTINCT + tl.arange(0, 2), tl.zeros((2,), tl.int64))  # and E_NEED
-    tl.store(ctl_ptr + K.E_PENDING, tl.load(ctl_ptr + K.E_PENDING) | status)
-    if epoch + 1 >= K.EPOCH_LIMIT:
+    # -- always: publish the status, clear the accumulators, advance the epoch (one store) ------
+    wrap = epoch + 1 >= K.EPOCH_LIMIT
+    if wrap:
         # Claim keys are (epoch << 32 | ~pos): before the epoch would overflow them, clear the
         # scratch that epochs tag and restart. Once in 2**31 calls; O(addresses + slots).
         for i0 in range(0, N, BLOCK):
             tl.store(claim_ptr + i0 + ar, tl.zeros((BLOCK,), tl.int64), mask=i0 + ar < N)
         for i0 in range(0, G, BLOCK):
             tl.store(mark_ptr + i0 + ar, tl.zeros((BLOCK,), tl.int64), mask=i0 + ar < G)
-        tl.store(ctl_ptr + K.E_EPOCH, 1)
-    else:
-        tl.store(ctl_ptr + K.E_EPOCH, epoch + 1)
+    done = tl.where(
+        cw == K.E_LAST_STATUS, status, tl.where(cw == K.E_PENDING, _pick(ctl, K.E_PENDING) | status, 0)
+    )
+    done = tl.where(cw == K.E_EPOCH, tl.where(wrap, 1, epoch + 1), done)
+    cleared = (cw == K.E_STATUS) | (cw == K.E_DISTINCT) | (cw == K.E_NEED)
+    published = (cw == K.E_LAST_STATUS) | (cw == K.E_PENDING) | (cw == K.E_EPOCH)
+    tl.store(ctl_ptr + cw, done, mask=cleared | published)
 
 
 def victims_reference(
