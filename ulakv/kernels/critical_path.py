@@ -12,6 +12,9 @@ module counts the operations each program issues::
     critical_path(launches)  # sum over launches of the busiest program's operations
 
 Counting patches the interpreter's builder for the duration of the block (one block at a time).
+Only the outermost builder call of an operation counts: the interpreter builds an unmasked load or
+store by calling its masked twin (figures in ``benchmarks/RESULTS.md`` dated before 2026-12-02
+counted every unmasked load and store twice).
 """
 
 from __future__ import annotations
@@ -76,17 +79,23 @@ def count_memory_ops() -> Iterator[list[Launch]]:
     saved = {name: getattr(builder_cls, name) for name in _MEMORY_OPS}
     saved_call, saved_grid_idx = executor_cls.__call__, builder_cls.set_grid_idx
 
+    depth = [0]  # memory-op builder calls in progress: only the outermost one counts
+
     def counting(name: str):
         op = saved[name]
 
         def wrapper(self, *args, **kwargs):
-            if launches:
+            if launches and depth[0] == 0:
                 counts = launches[-1].per_program
                 counts[self.grid_idx] = counts.get(self.grid_idx, 0) + 1
                 if name == "create_atomic_rmw":  # (op, ptr, val, mask, sem, scope)
                     ptr, mask = args[1].data, args[3].data
                     launches[-1].atomic_lanes.update(ptr[np.broadcast_to(mask, ptr.shape)].tolist())
-            return op(self, *args, **kwargs)
+            depth[0] += 1
+            try:
+                return op(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
 
         return wrapper
 
