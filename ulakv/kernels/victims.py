@@ -5,8 +5,8 @@ The last program of the lookup's ``classify`` launch to finish runs ``victims_pr
 costs no launch of its own (see ``ulakv.kernels.lookup``). Everything that grows with the misses was
 done before it, by every classify program side by side; what it does itself grows with the number
 of chunks and candidate segments over ``BLOCK`` (one step up to a million elements), not with the
-misses. Measured by ``benchmarks/critical_path.py``: a prepare's busiest programs add up to about
-250 memory operations at batch 16 and 64 x 3 x top-2048 alike.
+misses. Measured by ``benchmarks/critical_path.py``: a prepare's busiest programs add up to 129-133
+(exact LRU) and 165-171 (PB-LRU) memory operations at batch 16 and 64 x 3 x top-2048.
 
 1. Totals from the lookup's per-chunk counts; a prepare with more distinct addresses than the
    layout's ``max_selection`` (GPU slots, or staging rows) fails here, before anything changed.
