@@ -27,6 +27,7 @@ from helpers import (
 from test_kernels import run_stagewise
 
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv.kernels import common as K
 from ulakv.policies import ExactLRUModel, PBLRUModel
 from ulakv.policies.cpu_tier import CPUTierModel
 from ulakv.transfer import PlanInterrupted, interrupt_after
@@ -618,6 +619,27 @@ def test_clean_and_dirty_victims_across_chunks_match_reference(policy) -> None:
     d = deltas(s0, pool.stats())
     assert d["victims"] == 1100 and 0 < d["clean_evictions"] <= 800, d
     assert d["bytes_out"] == (1100 - d["clean_evictions"]) * 4
+    assert_reads(pool, model, addrs)
+    pool.check_invariants()
+
+
+def test_lru_lists_that_fall_short_carry_clean_victims_like_the_others() -> None:
+    """Stale pairs crowd the LRU ring's head, so the classify programs' lists hold fewer candidates
+    than the call evicts and the planning program lists more segments itself; the victims found
+    there are clean or not exactly as in a classify program's list. Every stage equals its
+    reference."""
+    pool = tiered(ExactLRU(), gpu=1500, cpu=2000, width=4, layers=1, per_group=1)
+    model = RowModel(4)
+    addrs = pool.admit(3000).addresses.tolist()
+    fill(pool, model, addrs, seed=5)
+    run_stagewise(pool, 0, addr_tensor(split(pool, 0, addrs)[1][:1000]))  # 1,000 in, with copies
+    run_stagewise(pool, 0, addr_tensor(split(pool, 0, addrs)[0][:500]))  # the 500 left re-touched
+    # The ring from its head: 500 stale pairs, the 1,000 swapped in, the 500 re-touched. A
+    # one-chunk prepare of 600 misses lists 1,024 positions (524 candidates) and must list more.
+    run_stagewise(pool, 0, addr_tensor(split(pool, 0, addrs)[1][:600]))
+    assert int(pool._state.ctl[int(K.E_SEGMENTS)]) > 1, "the lists did not fall short"
+    d = pool.stats()
+    assert d["clean_evictions"] == 600, d  # all 600 victims were swapped in, their copies deep
     assert_reads(pool, model, addrs)
     pool.check_invariants()
 
