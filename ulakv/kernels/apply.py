@@ -40,7 +40,7 @@ from . import common as K
 from ._triton import INTERPRETED, tl, triton
 from .buckets import PBLRUBits
 from .operands import as_words
-from .victims import victim_cleans, victim_slot, victim_slots
+from .victims import control_word, victim_cleans, victim_slot, victim_slots
 
 # Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
 # interpreter pays per operation, not per element, so it takes 4x larger tiles. The launcher reads
@@ -50,12 +50,6 @@ INTERPRETER_ROWS = 64
 ROWS = INTERPRETER_ROWS if INTERPRETED else GPU_ROWS
 
 ALL_PHASES = (int(K.PH_OUT), int(K.PH_COMMIT))
-
-
-@triton.jit
-def _word(words, i):
-    """Control word ``i`` of ``words`` (all of them, loaded at once)."""
-    return tl.sum(tl.where(tl.arange(0, K.CTL_BLOCK) == i, words, 0), axis=0)
 
 
 @triton.jit
@@ -222,7 +216,7 @@ def apply_kernel(
     cpu_ptr += layer0.to(tl.int64) * cpu_layer_stride
     # The plan's control words, in one load: each separate scalar load is a dependent step.
     ctl = tl.load(ctl_ptr + tl.arange(0, K.CTL_BLOCK), mask=tl.arange(0, K.CTL_BLOCK) < K.CTL_WORDS, other=0)
-    status = _word(ctl, K.E_LAST_STATUS)
+    status = control_word(ctl, K.E_LAST_STATUS)
     run_out = (first_phase <= K.PH_OUT) & (last_phase >= K.PH_OUT)
     run_evict = (first_phase <= K.PH_EVICT) & (last_phase >= K.PH_EVICT)
     run_in = (first_phase <= K.PH_IN) & (last_phase >= K.PH_IN)
@@ -236,10 +230,10 @@ def apply_kernel(
         off = chunk_off_ptr + pid * K.OFF_WORDS
         m_off = tl.load(off + K.O_MISS)
         n_miss = tl.load(counts_ptr + pid * K.COUNT_WORDS + K.C_NEED)
-        k_free = _word(ctl, K.E_KFREE)
-        V = _word(ctl, K.E_VICTIMS)
-        segments = _word(ctl, K.E_SEGMENTS)
-        fill = _word(ctl, K.E_FILL)
+        k_free = control_word(ctl, K.E_KFREE)
+        V = control_word(ctl, K.E_VICTIMS)
+        segments = control_word(ctl, K.E_SEGMENTS)
+        fill = control_word(ctl, K.E_FILL)
         w = tl.arange(0, WORDS)
         wm = w < W
         has_misses = r0 < n_miss
@@ -278,7 +272,7 @@ def apply_kernel(
             copy = tl.load(copy_row_ptr + v, mask=has_slot & popping, other=-1)
             back = popping & ~fills & (copy >= 0)
             back = back & (tl.load(copy_slot_ptr + copy, mask=back, other=-1) == v)
-            deep = tl.load(copy_depth_ptr + v, mask=back, other=0) >= _word(ctl, K.E_POPS)
+            deep = tl.load(copy_depth_ptr + v, mask=back, other=0) >= control_word(ctl, K.E_POPS)
             back = back & (deep | (copy == cpu_row))
         clean = fills | back  # no bytes move
         dest = tl.where(clean, copy, cpu_row)  # the victim's CPU row
@@ -406,7 +400,7 @@ def apply_kernel(
                 # fill. Filling, a miss whose victim was clean puts it in that victim's copy's place.
                 pushes = mm & (src >= G)
                 if not CACHE:
-                    push = _word(ctl, K.E_PUSH_BASE) + tl.load(off + K.O_PUSH) - before * fill
+                    push = control_word(ctl, K.E_PUSH_BASE) + tl.load(off + K.O_PUSH) - before * fill
                     push = (push + tl.load(cpu_rank_ptr + p, mask=pushes, other=0)) % C
                     filling = pushes & fills
                     push = tl.where(filling, tl.load(cpu_pos_ptr + copy, mask=filling, other=0), push)

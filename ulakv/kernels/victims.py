@@ -78,8 +78,9 @@ def ring_candidates_reference(st, g: int, lo: int, hi: int) -> list[int]:
 
 
 @triton.jit
-def _pick(words, i):
-    """Word ``i`` of control words loaded at once."""
+def control_word(words, i):
+    """Word ``i`` of control words loaded at once (one load for all: each separate scalar load is
+    a dependent step)."""
     return tl.sum(tl.where(tl.arange(0, words.shape[0]) == i, words, 0), axis=0)
 
 
@@ -298,9 +299,9 @@ def victims_program(
     ctl = tl.load(ctl_ptr + cw, mask=cw < K.CTL_WORDS, other=0)
     gw = tl.arange(0, K.GCTL_WORDS)
     gctl = tl.load(gctl_ptr + gw)
-    status = _pick(ctl, K.E_STATUS)
-    epoch = _pick(ctl, K.E_EPOCH)
-    D = _pick(ctl, K.E_DISTINCT)  # counted by the claim
+    status = control_word(ctl, K.E_STATUS)
+    epoch = control_word(ctl, K.E_EPOCH)
+    D = control_word(ctl, K.E_DISTINCT)  # counted by the claim
     H = tl.zeros((), dtype=tl.int64)
     M = tl.zeros((), dtype=tl.int64)
     MC = tl.zeros((), dtype=tl.int64)
@@ -312,15 +313,15 @@ def victims_program(
         MC += tl.sum(_column(counts, K.C_NEED_CPU), axis=0)
         CF += tl.sum(_column(counts, K.C_CPU_FIRST), axis=0)
     if not WRITE:
-        if _pick(ctl, K.E_MAX_SELECTION) < D:
+        if control_word(ctl, K.E_MAX_SELECTION) < D:
             status = status | K.ST_TOO_LARGE
     if status == 0:
-        head = _pick(gctl, K.G_HEAD)
-        tail = _pick(gctl, K.G_TAIL)
-        round_tail = _pick(gctl, K.G_ROUND_TAIL)
+        head = control_word(gctl, K.G_HEAD)
+        tail = control_word(gctl, K.G_TAIL)
+        round_tail = control_word(gctl, K.G_ROUND_TAIL)
         # Kept in a register: a scalar store is one thread's, and re-loading the word right after
         # it could give other warps the old round.
-        rnd = _pick(gctl, K.G_ROUND)
+        rnd = control_word(gctl, K.G_ROUND)
         if not WRITE:
             # A new round: everything appended so far is older than this round's touches.
             round_tail = tail
@@ -329,7 +330,7 @@ def victims_program(
 
         # -- victims: free GPU slots first (every classify program copied its share of the stack's
         # top into the victim list) ---------------------------------------------------------------
-        n_free = _pick(gctl, K.G_GPU_FREE)
+        n_free = control_word(gctl, K.G_GPU_FREE)
         k_free = tl.minimum(M, n_free)
         n_free = n_free - k_free
 
@@ -368,7 +369,7 @@ def victims_program(
                 )
                 clean = eligible & (tl.zeros_like(s) != 0)
                 if not CACHE:
-                    top = _pick(gctl, K.G_CPU_BOT) + _pick(gctl, K.G_CPU_FREE) - 1
+                    top = control_word(gctl, K.G_CPU_BOT) + control_word(gctl, K.G_CPU_FREE) - 1
                     clean = _clean_candidates(
                         s, eligible, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, copy_depth_ptr, top, C, want
                     )
@@ -497,8 +498,8 @@ def victims_program(
         pushes = push_run - n_clean
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
-        bottom = (_pick(gctl, K.G_CPU_BOT) - pushes + C) % C
-        n_cpu = _pick(gctl, K.G_CPU_FREE) - pops + pushes
+        bottom = (control_word(gctl, K.G_CPU_BOT) - pushes + C) % C
+        n_cpu = control_word(gctl, K.G_CPU_FREE) - pops + pushes
 
         # The group's words G_HEAD .. G_CPU_BOT, and the plan's words apply reads, one store each.
         g_new = tl.where(gw == K.G_HEAD, head, tl.where(gw == K.G_TAIL, q_run, round_tail))
@@ -538,7 +539,7 @@ def victims_program(
         for i0 in range(0, G, BLOCK):
             tl.store(mark_ptr + i0 + ar, tl.zeros((BLOCK,), tl.int64), mask=i0 + ar < G)
     done = tl.where(
-        cw == K.E_LAST_STATUS, status, tl.where(cw == K.E_PENDING, _pick(ctl, K.E_PENDING) | status, 0)
+        cw == K.E_LAST_STATUS, status, tl.where(cw == K.E_PENDING, control_word(ctl, K.E_PENDING) | status, 0)
     )
     done = tl.where(cw == K.E_EPOCH, tl.where(wrap, 1, epoch + 1), done)
     cleared = (cw == K.E_STATUS) | (cw == K.E_DISTINCT) | (cw == K.E_NEED)
