@@ -74,9 +74,9 @@ def _miss_tile(
     ROWS: tl.constexpr,
 ):
     """The misses ``r0 .. r0 + ROWS`` of a chunk: position, address, source home, GPU slot (if
-    any), whether its victim is evicted clean (and fills: the plan fills), how many victims before
-    it are, and the popped CPU row that receives the victim (or the entry itself, with no slot;
-    none for a victim that fills)."""
+    any), whether its victim fills (the plan counted it clean and fills: it pops no row), how many
+    victims before it are clean, and the popped CPU row that receives the victim (or the entry
+    itself, with no slot)."""
     r = r0 + tl.arange(0, ROWS)
     mm = r < n_miss
     p = tl.load(miss_pos_ptr + base + r, mask=mm, other=0)
@@ -90,7 +90,7 @@ def _miss_tile(
     fills = tl.where(clean, fill, 0) != 0
     takes_row = popping & ~fills
     cpu_row = tl.load(popped_ptr + (j - k_free - before * fill), mask=takes_row, other=0)
-    return p, a, src, mm, has_slot, v, clean, fills, before, popping, cpu_row
+    return p, a, src, mm, has_slot, v, fills, before, popping, cpu_row
 
 
 # Not specialised: T, G, Qcap, L (short last group), write_layer, phase and in-layer bounds, layer0 (all
@@ -237,7 +237,7 @@ def apply_kernel(
         w = tl.arange(0, WORDS)
         wm = w < W
         has_misses = r0 < n_miss
-        p, a, src, mm, has_slot, v, clean, fills, before, popping, cpu_row = _miss_tile(
+        p, a, src, mm, has_slot, v, fills, before, popping, cpu_row = _miss_tile(
             r0,
             n_miss,
             base,

@@ -150,6 +150,12 @@ def _packed_candidates(s, clean, listed):
     return s.to(tl.int64) | (c << CAND_CLEAN_BIT) | (before << CAND_BEFORE_SHIFT), tl.sum(c, axis=0)
 
 
+@triton.jit
+def _unpacked_clean(packed):
+    """A packed candidate's clean bit, and the clean candidates before it in its segment."""
+    return (packed >> CAND_CLEAN_BIT) & 1, packed >> CAND_BEFORE_SHIFT
+
+
 def packed_candidates_reference(slots: list[int], clean: list[bool]) -> list[int]:
     """Plain-Python twin of ``_packed_candidates`` (the list only)."""
     out, before = [], 0
@@ -191,9 +197,8 @@ def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK
     packed = tl.load(cand_ptr + at + (r - start), mask=taken, other=0)
     listed = (packed & CAND_SLOT_MASK).to(tl.int32)
     slot = tl.where(free, tl.load(victims_ptr + j, mask=free, other=0), listed)
-    clean = taken & (((packed >> CAND_CLEAN_BIT) & 1) != 0)
-    before = tl.where(taken, clean_base + (packed >> CAND_BEFORE_SHIFT), 0)
-    return slot, clean, before
+    bit, in_segment = _unpacked_clean(packed)
+    return slot, taken & (bit != 0), tl.where(taken, clean_base + in_segment, 0)
 
 
 def _victim_entries(scratch, ctl: list[int], j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,12 +410,8 @@ def victims_program(
                     words = tl.load(seg_ptr + SEG_WORDS * last_seg + w, mask=w < SEG_WORDS, other=0)
                     start = tl.sum(tl.where(w == 0, words, 0), axis=0)
                     at = tl.sum(tl.where(w == 1, words, 0), axis=0)
-                    packed = tl.load(cand_ptr + at + (got - 1 - start))
-                    n_clean = (
-                        tl.sum(tl.where(w == 2, words, 0), axis=0)
-                        + (packed >> CAND_BEFORE_SHIFT)
-                        + ((packed >> CAND_CLEAN_BIT) & 1)
-                    )
+                    bit, in_segment = _unpacked_clean(tl.load(cand_ptr + at + (got - 1 - start)))
+                    n_clean = tl.sum(tl.where(w == 2, words, 0), axis=0) + in_segment + bit
         if POLICY == K.EXACT_LRU:
             new_head = head
             if want > 0:
