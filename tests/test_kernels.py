@@ -246,7 +246,10 @@ def test_buffer_stages_match_reference(policy) -> None:
         REFERENCE.plan(st_ref, group, flat, sc_ref, False, len(layers) * 5, 5)
         assert_tensors_equal(st.tensors(), st_ref.tensors(), f"step {step} plan: state ")
         assert_tensors_equal(scratch.tensors(), sc_ref.tensors(), f"step {step} plan: scratch ")
-        fetched = random_rows(gen, T * len(layers), 5).view(T, len(layers), 5)
+        # Rows in home order, as an all-gather leaves them: miss j's is row fetch_rows[j] of twice
+        # as many (the others are padding).
+        fetched = random_rows(gen, 2 * T * len(layers), 5).view(2 * T, len(layers), 5)
+        fetch_rows = torch.randperm(2 * T, generator=gen)[:T]
         slots, slots_ref = (
             torch.full((T,), POISON, dtype=torch.int32),
             torch.full((T,), POISON, dtype=torch.int32),
@@ -265,9 +268,17 @@ def test_buffer_stages_match_reference(policy) -> None:
                     phases=phases,
                     in_layers=in_layers,
                     fetched=fetched,
+                    fetch_rows=fetch_rows,
                 )
             assert_tensors_equal(st.tensors(), st_ref.tensors(), f"step {step} apply{phases}: state ")
             assert torch.equal(slots, slots_ref)
         held = flat >= 0
         assert (slots[held] >= 0).all() and (slots[~held] == -1).all()
+        # Miss j (chunk by chunk, in order) holds row fetch_rows[j] of the fetched rows, every layer.
+        need = scratch.counts[: -(-T // K.CHUNK), int(K.C_NEED)].tolist()
+        missed = [int(scratch.miss_pos[c * K.CHUNK + r]) for c, n in enumerate(need) for r in range(n)]
+        for j, pos in enumerate(missed):
+            for i, layer in enumerate(layers):
+                got = st.gpu_data[layer, int(slots[pos])]
+                assert torch.equal(got, fetched[int(fetch_rows[j]), i]), (step, j, layer)
         check_invariants(st, allocator)

@@ -172,6 +172,7 @@ def apply_kernel(
     in_lo,
     in_hi,
     fetched_ptr,
+    fetch_row_ptr,
     layer0,
     cand_ptr,
     seg_ptr,
@@ -355,8 +356,11 @@ def apply_kernel(
                     new_row = tl.load(
                         rows_ptr + p.to(tl.int64)[:, None] * W + w[None, :], mask=to_gpu | to_cpu, other=0
                     )
-                if CACHE:  # rows fetched from their home ranks, in miss order, every layer of the group
-                    f2 = (m_off + r0 + tl.arange(0, ROWS)).to(tl.int64)[:, None] * (L * W) + w[None, :]
+                if CACHE:  # rows fetched from their home ranks, every layer of the group: miss j's
+                    # is row fetch_row[j] (an all-gather's output is in home order, not miss order)
+                    miss_j = m_off + r0 + tl.arange(0, ROWS)
+                    f_row = tl.load(fetch_row_ptr + miss_j, mask=has_slot, other=0).to(tl.int64)
+                    f2 = f_row[:, None] * (L * W) + w[None, :]
                 for layer in range(in_lo, in_hi):
                     # An entry with no CPU row yet (never written) starts as zeros.
                     if CACHE:
@@ -531,16 +535,17 @@ def apply(
     phases: tuple[int, int] = ALL_PHASES,
     in_layers: range | None = None,
     fetched: torch.Tensor | None = None,
+    fetch_rows: torch.Tensor | None = None,
 ) -> int:
     """Launch apply for group ``g`` (layers ``layers``): the phases ``phases`` (first, last), moving
     the group's layers ``in_layers`` (default all) in the ``in`` phase. ``rows`` (packed ``[T, W]``)
     only for a write, ``slots`` (int32 ``[T]``, packed) only for a prepare. A buffer (``st.CACHE``)
-    takes its misses' rows from ``fetched`` (packed ``[misses, layers, W]``, in miss order) and drops
-    its victims. Rows are in the unit ``as_words`` gives the pool's own rows (words when the width is
-    a multiple of 4, else bytes); ``ulakv.kernels.operands`` brings a caller's tensors to it.
-    Returns launches."""
-    if st.CACHE and fetched is None and rows is None:
-        raise ValueError("a buffer's apply needs the fetched rows")
+    takes its misses' rows from ``fetched`` (packed ``[rows, layers, W]``; miss ``j``'s is row
+    ``fetch_rows[j]``, int64) and drops its victims. Rows are in the unit ``as_words`` gives the
+    pool's own rows (words when the width is a multiple of 4, else bytes); ``ulakv.kernels.operands``
+    brings a caller's tensors to it. Returns launches."""
+    if st.CACHE and (fetched is None or fetch_rows is None) and rows is None:
+        raise ValueError("a buffer's apply needs the fetched rows and where each miss's is")
     T = flat.numel()
     gpu = as_words(st.gpu_data)  # the whole pool's rows; the kernel adds the group's layer offset
     cpu = as_words(st.cpu_data)
@@ -551,6 +556,7 @@ def apply(
     # plan fetches nothing or was refused) in the pool's row unit, so a byte-row buffer compiles no
     # variant of its own for a step without misses.
     fetched = (fetched if fetched is not None else scratch.victims).view(gpu.dtype)
+    fetch_rows = fetch_rows if fetch_rows is not None else scratch.victims
     rows_per_tile = ROWS
     # A chunk's tiles: enough for its elements (a call smaller than a chunk launches fewer).
     tiles = triton.cdiv(min(T, K.CHUNK), rows_per_tile)
@@ -590,6 +596,7 @@ def apply(
         in_layers.start - layers.start,
         in_layers.stop - layers.start,
         fetched,
+        fetch_rows,
         layers.start,
         scratch.cand,
         scratch.seg,
@@ -625,6 +632,7 @@ def apply_reference(
     phases: tuple[int, int] = ALL_PHASES,
     in_layers: range | None = None,
     fetched: torch.Tensor | None = None,
+    fetch_rows: torch.Tensor | None = None,
 ) -> None:
     """Plain-Python twin of :func:`apply`: one phase, one miss, one row, one element at a time."""
     T, G, C, Qcap = flat.numel(), st.gpu_slots, K.CHUNK, st.q_slot.shape[1]
@@ -730,7 +738,7 @@ def apply_reference(
                     if st.CACHE:
                         row = (
                             fetched.view(torch.uint8)
-                            .reshape(-1, len(layers), gpu.shape[-1])[j, layer]
+                            .reshape(-1, len(layers), gpu.shape[-1])[int(fetch_rows[j]), layer]
                             .clone()
                         )
                     elif src >= G:

@@ -405,9 +405,11 @@ class TieredLayout:
         until: Phase = Phase.COMMIT,
         in_layers: range | None = None,
         fetched: torch.Tensor | None = None,
+        fetch_rows: torch.Tensor | None = None,
     ) -> int:
         """Run ``plan``'s phases from where it stopped through ``until``; the ``in`` phase moves
-        ``in_layers`` (default: every layer not moved yet), from ``fetched`` for a buffer.
+        ``in_layers`` (default: every layer not moved yet), from ``fetched`` for a buffer: miss
+        ``j``'s rows are ``fetched[fetch_rows[j]]`` (default: ``fetched[j]``, rows in miss order).
         Returns launches (1)."""
         if plan.finished:
             raise UlakvError("this plan has already been run to the end")
@@ -433,6 +435,9 @@ class TieredLayout:
             phases=(int(start), int(until)),
             in_layers=in_layers if start <= Phase.IN <= until else range(0),
             fetched=fetched,
+            fetch_rows=fetch_rows
+            if fetch_rows is not None or fetched is None
+            else torch.arange(fetched.shape[0], device=fetched.device),
         )
         if start <= Phase.IN <= until:
             plan.layers_in.update(in_layers)
