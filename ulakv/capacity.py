@@ -11,21 +11,33 @@ does not fit. A system admits a batch of ``N`` only if all three hold:
   (3 query positions with speculative decoding) fits the pool's ``max_selection`` (ulakv: GPU slots
   and staging rows; striped: the buffer, and each home's share; CPU offload: each request's quota).
 
-Systems (per GPU budgets are equal for all three):
+Systems (per GPU budgets are equal for all five):
 
-==============  =====================================================  ===========================
-system          data parallel (each rank its own requests)             tensor parallel (one batch)
-==============  =====================================================  ===========================
-``gpu_only``    ``Tiered`` GPU only (SGLang)                            ``Replicated(world)``
-``cpu_offload`` ``CPUOffloadBaseline`` (HiSparse)                       one ``CPUOffloadBaseline``
-                                                                        replica on every rank
-``ulakv``       ``Tiered`` GPU + CPU, PB-LRU                            ``Striped`` over ``Tiered``
-==============  =====================================================  ===========================
+===============  ===================================================  ==============================
+system           data parallel (each rank its own requests)           tensor parallel (one batch)
+===============  ===================================================  ==============================
+``gpu_only``     ``Tiered`` GPU only (SGLang)                          ``Replicated(world)``
+``cpu_offload``  ``CPUOffloadBaseline`` (HiSparse)                     one ``CPUOffloadBaseline``
+                                                                       replica on every rank
+``dcp``          ``gpu_only``'s pools (a DCP group of one rank)        ``Striped(attention="local")``
+                                                                       over a GPU-only ``Tiered``
+``ulakv``        ``Tiered`` GPU + CPU, PB-LRU                          ``Striped`` (fetch) over
+                                                                       ``Tiered``
+``ulakv_local``  ``ulakv``'s pools (a DCP group of one rank)           ``Striped(attention="local")``
+                                                                       over ``Tiered`` GPU + CPU
+===============  ===================================================  ==============================
+
+``dcp`` is decode context parallelism as vLLM and SGLang ship it: token ``t`` of every request on
+rank ``t mod world``, each rank attends over its part and the partial outputs are merged by their
+log-sum-exp; GPU only. Engines carve the DCP group out of the attention tensor-parallel group, and
+DP attention runs attention on one rank: there ``dcp`` and ``ulakv_local`` are ``gpu_only`` and
+``ulakv`` under another name.
 
 Index keys are always GPU-resident (the indexer scores every past position each step): a
-GPU-only pool of their own beside each latent pool, replicated under TP for the baselines and
-striped for ulakv. ulakv is charged for every byte of its tensors (mapping tables, policy state,
-call scratch); the baselines only for their KV rows, which flatters them.
+GPU-only pool of their own beside each latent pool, replicated under TP for ``gpu_only`` and
+``cpu_offload``, striped for ``dcp`` (as vLLM keeps them) and ulakv. ulakv is charged for every
+byte of its tensors (mapping tables, policy state, call scratch); the baselines only for their KV
+rows, which flatters them.
 """
 
 from __future__ import annotations
@@ -33,13 +45,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
 from .config import PBLRU, CPUOffloadBaseline, EntrySpec, PoolConfig, Replicated, Striped, Tiered
 from .errors import CapacityError
 from .layouts.offload import OffloadPool
-from .layouts.striped import StripedPool, fetch_scratch_bytes
+from .layouts.striped import StripedPool
 from .pool import Pool
 
 GB = 10**9
@@ -319,6 +332,26 @@ class Scenario:
                 f"{self.slots_per_request} entries a request and layer",
                 "HiSparse's per-request GPU buffer (2 x top-k 2048); it must hold a step's union",
             ),
+            (
+                "DCP: latent KV",
+                "token t on rank t mod world, GPU only (no CPU tier), no copies",
+                "vLLM decode_context_parallel_size and SGLang --dcp-size (docs.sglang.io, Decode Context "
+                "Parallelism): each rank attends over its part, partial outputs merged by their LSE",
+            ),
+            (
+                "DCP: index keys",
+                "striped like the latent KV (flatters dcp)",
+                "vLLM shards the indexer K cache with the KV and merges the ranks' top-k candidates "
+                "(vllm-project/vllm#46076, merged; --dcp-sparse-indexer-mode exact|union); SGLang's DSA "
+                "DCP proposals keep it whole on every rank (sgl-project/sglang#18167, #31821), which "
+                "would cost dcp more GPU memory",
+            ),
+            (
+                "DCP under DP attention",
+                "a group of one rank: dcp = gpu_only, ulakv_local = ulakv",
+                "the DCP group is carved out of the attention TP group (vLLM: tp_size divisible by the "
+                "DCP size; SGLang: ranks of an existing TP group); DP attention runs attention TP 1",
+            ),
         ]
         if shape is not None:
             rows.append(
@@ -386,9 +419,12 @@ def pool_bytes(pool, index: bool = False) -> Bytes:
     index-key pool's rows count as ``gpu_index``."""
     if isinstance(pool, StripedPool):
         b = _tiered_bytes(pool.inner)  # its GPU rows are the first rows of the rank's buffer tensor
-        buffer_meta = sum(_nbytes(t) for k, t in pool._buffer.tensors().items() if k != "gpu_data")
-        b.gpu_buffers = _nbytes(pool._rows) - b.gpu_rows
-        b.gpu_meta += buffer_meta + _scratch_bytes(pool._buffer_layout)
+        b.gpu_meta += _nbytes(pool._live) + _nbytes(pool._ctl) + _nbytes(pool._bytes_needed)
+        if pool._buffer is not None:  # fetch mode: the buffer, its state, and the fetch's all-gather
+            buffer_meta = sum(_nbytes(t) for k, t in pool._buffer.tensors().items() if k != "gpu_data")
+            b.gpu_buffers = _nbytes(pool._rows) - b.gpu_rows
+            exchange = _nbytes(pool._exchange.send) + _nbytes(pool._exchange.gathered)
+            b.gpu_meta += buffer_meta + _scratch_bytes(pool._buffer_layout) + exchange
     elif isinstance(pool, OffloadPool):
         meta = sum(_nbytes(t) for s in pool._buffers for k, t in s.state.tensors().items() if k != "gpu_data")
         meta += _nbytes(pool._history_map) + _nbytes(pool._request_of)
@@ -406,7 +442,8 @@ def _reserve(pool, elements: int) -> None:
         return
     if isinstance(pool, StripedPool):
         pool.inner.reserve_scratch(elements)
-        pool._buffer_layout.reserve(elements)
+        if pool._buffer is not None:
+            pool._buffer_layout.reserve(elements)
     else:
         pool.reserve_scratch(elements)
 
@@ -455,7 +492,7 @@ def _fit_slots(build: Callable[[int], object], budget: int, cost: Callable[[obje
     return 0
 
 
-# -- the three systems --------------------------------------------------------------------------
+# -- the five systems ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -468,6 +505,8 @@ class SystemPlan:
     bytes_per_gpu: Bytes
     pools: list[str]
     limit: str  # what stopped one more request
+    held: int = 0  # distinct tokens its latent pools admit, all ranks together
+    pays: str = ""  # what the system spends besides each token's one row: copies, wire, merges
 
     def breakdown(self, scenario: Scenario) -> dict[str, float]:
         """GB a GPU (and its CPU budget) holds, by purpose, at the admitted batch."""
@@ -485,6 +524,22 @@ class SystemPlan:
         }
 
 
+class _Fit(NamedTuple):
+    """One system's pools for a batch: whether it fits, what they take, and why not more."""
+
+    ok: bool
+    bytes: Bytes
+    pools: list[str]
+    limit: str
+    layout: object = None  # the latent pool's layout (None when none was built)
+
+
+def _local(world: int, inner: Tiered) -> Striped:
+    """Rank 0 of a decode-context-parallel pool (``t mod world``); every rank holds as much,
+    give or take one token a request."""
+    return Striped(world=world, rank=0, attention="local", inner=inner)
+
+
 class _Planner:
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
@@ -498,6 +553,7 @@ class _Planner:
         # Distinct entries a request selects in a group: a real indexer picks exactly top-k, so at
         # least that many (a synthetic trace may pad a few duplicates with -1).
         self.union = math.ceil(max(1.0, shape.union) * m.topk)
+        self._searched: dict[str, tuple[list[int], _Fit, str, int]] = {}
 
     def latent_config(self, layout) -> PoolConfig:
         return PoolConfig(
@@ -525,34 +581,53 @@ class _Planner:
         """Request streams: one a rank in DP mode, one for the whole group in TP mode."""
         return list(range(self.sc.world)) if self.sc.mode == "DP" else [0]
 
-    # Each system: ``feasible(stream, n) -> (ok, bytes, pools, why)`` for a batch of n.
-    def gpu_only(self, stream: int, n: int):
+    def same_as(self, system: str) -> str:
+        """The system whose pools ``system`` builds: under DP attention a DCP group is one rank, so
+        ``dcp`` is ``gpu_only`` and ``ulakv_local`` is ``ulakv``."""
+        if self.sc.mode == "DP":
+            return {"dcp": "gpu_only", "ulakv_local": "ulakv"}.get(system, system)
+        return system
 
+    # Each system: ``feasible(stream, n) -> _Fit`` for a batch of n.
+    def gpu_only(self, stream: int, n: int) -> _Fit:
+        # TP: every rank a replica of the whole batch's KV; DP: each rank a GPU-only pool.
         sc = self.sc
+        if sc.mode == "TP":
+            return self._rows_only(stream, n, lambda s: Replicated(world=sc.world, gpu_slots=s), "")
+        return self._rows_only(stream, n, lambda s: Tiered(gpu_slots=s), "")
+
+    def dcp(self, stream: int, n: int) -> _Fit:
+        # Every rank ceil(length / world) of each request, GPU only; index keys striped alike.
+        if self.sc.mode == "DP":
+            return self.gpu_only(stream, n)
+        world = self.sc.world
+        return self._rows_only(stream, n, lambda s: _local(world, Tiered(gpu_slots=s)), " of all ranks")
+
+    def _rows_only(self, stream: int, n: int, layout_of: Callable[[int], object], where: str) -> _Fit:
+        """A GPU-only baseline: latent and index-key pools of ``layout_of(slots)`` with the most
+        slots the budget buys, charged for their rows only."""
 
         def build(slots: int) -> tuple[object, object, object]:
-            # TP: every rank a replica of the whole batch's KV; DP: each rank a GPU-only pool.
-            tp = sc.mode == "TP"
-            layout = Replicated(world=sc.world, gpu_slots=slots) if tp else Tiered(gpu_slots=slots)
+            layout = layout_of(slots)
             return layout, Pool(self.latent_config(layout)), Pool(self.index_config(layout))
 
         def charged(latent, index) -> Bytes:  # the baseline's rows only, which flatters it
             index_rows = pool_bytes(index, index=True).gpu_index
             return Bytes(gpu_rows=pool_bytes(latent).gpu_rows, gpu_index=index_rows)
 
-        slots = _fit_slots(build, sc.kv_budget(), lambda built: charged(*built[1:]).gpu)
+        slots = _fit_slots(build, self.sc.kv_budget(), lambda built: charged(*built[1:]).gpu)
         if slots < 1:
-            return False, Bytes(), [], "weights leave no KV memory"
+            return _Fit(False, Bytes(), [], "weights leave no KV memory")
         layout, latent, index = build(slots)
         pools = [f"latent: {layout}", "index keys: the same slots"]
         ok = _admits([latent, index], self.lengths(stream, n))
-        return ok, charged(latent, index), pools, "GPU KV memory"
+        return _Fit(ok, charged(latent, index), pools, f"GPU KV memory{where}", layout)
 
-    def cpu_offload(self, stream: int, n: int):
+    def cpu_offload(self, stream: int, n: int) -> _Fit:
 
         sc = self.sc
         if self.union > sc.slots_per_request:
-            return False, Bytes(), [], f"a step selects {self.union} entries, above the quota"
+            return _Fit(False, Bytes(), [], f"a step selects {self.union} entries, above the quota")
         history = sc.hardware.cpu_bytes // self.latent_row - 1  # one spare zero row
         lay = CPUOffloadBaseline(cpu_slots=history, slots_per_request=sc.slots_per_request, max_requests=n)
         latent = Pool(self.latent_config(lay))
@@ -563,46 +638,67 @@ class _Planner:
         charged = Bytes(gpu_buffers=b.gpu_buffers, gpu_index=b.gpu_index, cpu_rows=b.cpu_rows)
         pools = [f"latent: {lay}", f"index keys: GPU only, {index_slots} slots"]
         if charged.gpu > sc.kv_budget():
-            return False, charged, pools, "GPU memory (per-request buffers and index keys)"
-        return _admits([latent, index], lengths), charged, pools, "CPU memory (full history)"
+            return _Fit(False, charged, pools, "GPU memory (per-request buffers and index keys)", lay)
+        return _Fit(_admits([latent, index], lengths), charged, pools, "CPU memory (full history)", lay)
 
-    def ulakv(self, stream: int, n: int):
+    def ulakv(self, stream: int, n: int) -> _Fit:
         return self._striped(stream, n) if self.sc.mode == "TP" else self._tiered(stream, n)
 
-    def _tiered(self, stream: int, n: int):
+    def ulakv_local(self, stream: int, n: int) -> _Fit:
+        return self._striped(stream, n, local=True) if self.sc.mode == "TP" else self._tiered(stream, n)
+
+    def _tiered(self, stream: int, n: int) -> _Fit:
 
         lengths = self.lengths(stream, n)
         working = n * self.union  # distinct entries one group-step brings to the GPU
         index = Pool(self.index_config(Tiered(gpu_slots=max(1, sum(lengths)))))
         return self._fit_ulakv(n, lengths, index, staging=working, need=working, wrap=lambda t: t)
 
-    def _striped(self, stream: int, n: int):
+    def _striped(self, stream: int, n: int, local: bool = False) -> _Fit:
+        """ulakv under TP: each rank the slice of its homes. Fetch mode adds a buffer of one step's
+        union on every rank; local mode (decode context parallelism) attends where the entries
+        live, so a rank's GPU needs only its home share, and keeps no buffer."""
 
         world = self.sc.world
         lengths = self.lengths(stream, n)
         working = n * self.union
         per_home = math.ceil(working * self.shape.home_share)  # what one slice brings in a step
         # Each request's run of addresses puts at most ceil(length / world) on one rank.
-        index_slice = max(1, sum(-(-x // world) for x in lengths))
-        index_layout = Striped(world=world, rank=0, buffer_slots=1, inner=Tiered(gpu_slots=index_slice))
+        index_inner = Tiered(gpu_slots=max(1, sum(-(-x // world) for x in lengths)))
+        if local:
+            index_layout = _local(world, index_inner)
+            wrap, what = (lambda inner: _local(world, inner)), "one step's home share"
+        else:
+            index_layout = Striped(world=world, rank=0, buffer_slots=1, inner=index_inner)
+            fetch = dict(world=world, rank=0, buffer_slots=working, policy=self.sc.policy)
+            wrap, what = (lambda inner: Striped(**fetch, inner=inner)), "the buffer and one step's share"
         index = Pool(self.index_config(index_layout))
+        return self._fit_ulakv(
+            n, lengths, index, staging=per_home, need=per_home, wrap=wrap, what=what, where=" of all ranks"
+        )
 
-        def wrap(inner: Tiered) -> Striped:
-            return Striped(world=world, rank=0, buffer_slots=working, policy=self.sc.policy, inner=inner)
-
-        return self._fit_ulakv(n, lengths, index, staging=per_home, need=per_home, wrap=wrap, striped=True)
-
-    def _fit_ulakv(self, n, lengths, index, *, staging: int, need: int, wrap, striped: bool = False):
+    def _fit_ulakv(
+        self,
+        n,
+        lengths,
+        index,
+        *,
+        staging: int,
+        need: int,
+        wrap,
+        what: str = "one step's working set",
+        where: str = "",
+    ) -> _Fit:
         """ulakv's latent pool beside ``index``: a ``Tiered`` slice (``wrap`` makes it a striped
         rank's) with ``staging`` CPU rows taken off the CPU budget and as many GPU slots as the
-        rest of the GPU budget buys; feasible if a step's ``need`` fits and every request is
-        admitted."""
+        rest of the GPU budget buys; feasible if a step's ``need`` (``what``) fits and every
+        request is admitted."""
 
         sc = self.sc
         index_bytes = pool_bytes(index, index=True)
         cpu_rows = sc.hardware.cpu_bytes // self.latent_row - 1 - staging
         if cpu_rows < 1:
-            return False, index_bytes, [], "CPU memory (staging rows)"
+            return _Fit(False, index_bytes, [], "CPU memory (staging rows)")
 
         def build(gpu_slots: int):
             inner = Tiered(gpu_slots=gpu_slots, cpu_slots=cpu_rows, policy=sc.policy, staging_slots=staging)
@@ -610,35 +706,106 @@ class _Planner:
             _reserve(pool, n * sc.queries * sc.model.topk)
             return pool
 
-        # A striped prepare's collective buffers, when every row a home serves missed.
-        scratch = fetch_scratch_bytes(build(1).config, need) if striped else 0
-        gpu_slots = _fit_slots(build, sc.kv_budget() - index_bytes.gpu - scratch, lambda p: pool_bytes(p).gpu)
+        gpu_slots = _fit_slots(build, sc.kv_budget() - index_bytes.gpu, lambda p: pool_bytes(p).gpu)
         if gpu_slots < need:
-            what = "the buffer and one step's share" if striped else "one step's working set"
-            return False, index_bytes, [], f"GPU memory ({what})"
+            return _Fit(False, index_bytes, [], f"GPU memory ({what})")
         latent = build(gpu_slots)
         b = pool_bytes(latent) + index_bytes
-        b.gpu_meta += scratch
         pools = [f"latent: {latent.config.layout}", f"index keys: {index.config.layout}"]
-        limit = "GPU + CPU memory of all ranks" if striped else "GPU + CPU memory"
-        return _admits([latent, index], lengths), b, pools, limit
+        ok = _admits([latent, index], lengths)
+        return _Fit(ok, b, pools, f"GPU + CPU memory{where}", latent.config.layout)
+
+    # -- what each system pays --------------------------------------------------------------------
+    def _merge_mb(self, n: int) -> tuple[float, float]:
+        """MB a rank receives under decode context parallelism, at a batch of ``n``: per layer,
+        the all-gathered queries and the partial outputs + LSE of the other ranks (bf16, every
+        head, absorbed MLA: queries of kv_lora + rope dims, outputs of kv_lora dims, one fp32 LSE
+        a head); per indexer layer, the other ranks' top-k candidates (int32 id + fp32 score)."""
+        m, world = self.sc.model, self.sc.world
+        positions = n * self.sc.queries
+        per_head = (m.kv_lora_rank + m.qk_rope_dim) * 2 + m.kv_lora_rank * 2 + 4
+        attention = (world - 1) / world * positions * m.heads * per_head
+        candidates = (world - 1) * positions * m.topk * 8
+        return attention / 1e6, candidates / 1e6
+
+    def _striped_pays(self, layout: Striped, n: int, b: Bytes) -> str:
+        world = layout.world
+        attention, candidates = self._merge_mb(n)
+        merge = f"top-k merge of the indexer ({candidates:.0f} MB of candidates a rank and indexer layer)"
+        tiers = "GPU + CPU tiers, misses cross PCIe" if layout.inner.cpu_slots else "GPU only (no CPU tier)"
+        if layout.local:
+            return (
+                f"{tiers}; each rank attends over its own 1/{world} (no buffer, no rows on the wire); "
+                f"per layer an all-gather of queries and of partial outputs + LSE ({attention:.0f} MB a "
+                f"rank), and a {merge}"
+            )
+        wire = (world - 1) * layout.fetch_width * self.sc.layers_per_group * self.sc.model.latent_bytes
+        return (
+            f"{tiers}; a buffer of {layout.buffer_slots} rows on every rank (copies of recent "
+            f"selections, {b.gpu_buffers / GB:.1f} GB) and per group-step one all-gather of "
+            f"{layout.fetch_width} rows from every rank ({wire / 1e6:.0f} MB a rank, fixed size); a {merge}"
+        )
+
+    def pays(self, system: str, layout, n: int, b: Bytes) -> str:
+        """What ``system`` pays, in words, at a batch of ``n`` (its bytes ``b``)."""
+        sc = self.sc
+        base = self.same_as(system)
+        if base != system:
+            same = self.pays(base, layout, n, b)
+            return f"a DCP group of one rank under DP attention: {base}'s pools; {same}"
+        if layout is None:
+            return "nothing fits"
+        if isinstance(layout, Replicated):
+            return (
+                f"a full copy of every request's KV and index keys on each of {layout.world} ranks "
+                f"(distinct / physical slots 1/{layout.world}); GPU only"
+            )
+        if isinstance(layout, CPUOffloadBaseline):
+            where = "every rank the same replica" if sc.mode == "TP" else "each rank its own requests"
+            return (
+                f"a full CPU copy of every token and per-request GPU buffers of {layout.slots_per_request} "
+                f"rows a layer (copies; misses cross PCIe); {where}"
+            )
+        if isinstance(layout, Striped):
+            return self._striped_pays(layout, n, b)
+        tiers = "GPU + CPU tiers (PB-LRU), misses cross PCIe" if layout.cpu_slots else "GPU only"
+        return f"each rank its own requests, {tiers}; nothing crosses ranks"
+
+    # -- the search ---------------------------------------------------------------------------------
+    def _search(self, system: str) -> tuple[list[int], _Fit, str, int]:
+        """Per rank: the largest batch ``system`` admits; rank 0's pools at it, why not one more,
+        and the distinct tokens the latent pools of all ranks admit."""
+        if system in self._searched:
+            return self._searched[system]
+        feasible = getattr(self, system)
+        per_rank, held, first, why = [], 0, None, ""
+        for stream in self.streams():
+            tried: dict[int, _Fit] = {}
+
+            def fits(k: int, s: int = stream, tried: dict = tried) -> bool:
+                tried[k] = feasible(s, k)
+                return tried[k].ok
+
+            n = _largest(fits)
+            per_rank.append(n)
+            last = tried.get(max(n, 1)) or feasible(stream, max(n, 1))
+            held += getattr(last.layout, "capacity", 0)  # a striped layout's counts every rank
+            if stream == 0:
+                first = last
+                why = (tried.get(n + 1) or feasible(stream, n + 1)).limit
+        self._searched[system] = per_rank, first, why, held
+        return self._searched[system]
 
     def run(self, system: str) -> SystemPlan:
-        feasible = getattr(self, system)
-        per_rank, last = [], None
-        for stream in self.streams():
-            n = _largest(lambda k, s=stream: feasible(s, k)[0])
-            per_rank.append(n)
-            if stream == 0:
-                last = feasible(stream, max(n, 1))
-                why = feasible(stream, n + 1)[3]
-        _, b, pools, _ = last
-        if not per_rank[0]:
-            b = Bytes()
-        return SystemPlan(system, sum(per_rank), per_rank, b, pools, why)
+        per_rank, first, why, held = self._search(self.same_as(system))
+        b = first.bytes if per_rank[0] else Bytes()
+        pays = self.pays(system, first.layout, per_rank[0], b)
+        return SystemPlan(system, sum(per_rank), per_rank, b, first.pools, why, held, pays)
 
 
-SYSTEMS = ("gpu_only", "cpu_offload", "ulakv")
+BASELINES = ("gpu_only", "cpu_offload", "dcp")
+ULAKV_MODES = ("ulakv", "ulakv_local")
+SYSTEMS = BASELINES + ULAKV_MODES
 
 
 @dataclass
@@ -646,6 +813,11 @@ class ScenarioPlan:
     scenario: Scenario
     systems: dict[str, SystemPlan]
     shape: SelectionShape
+
+    def best(self, among: tuple[str, ...]) -> SystemPlan | None:
+        """The system of ``among`` (those planned) that admits most; the first on a tie."""
+        plans = [self.systems[s] for s in among if s in self.systems]
+        return max(plans, key=lambda p: p.admitted, default=None)
 
     def rows(self, explain: bool = False) -> list[dict]:
         out = []
@@ -659,8 +831,10 @@ class ScenarioPlan:
             }
             if explain:
                 row["breakdown"] = {k: round(v, 3) for k, v in plan.breakdown(self.scenario).items()}
+                row["distinct_tokens_held"] = plan.held
                 row["pools"] = plan.pools
                 row["limit"] = plan.limit
+                row["pays"] = plan.pays
                 row["assumptions"] = [
                     {"what": w, "value": v, "source": s} for w, v, s in self.scenario.assumptions()
                 ]

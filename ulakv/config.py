@@ -125,25 +125,38 @@ class Tiered:
         return min(self.gpu_slots, self.cpu_staging)
 
 
+ATTENTION_MODES = ("fetch", "local")
+
+
 @dataclass(frozen=True)
 class Striped:
     """Tensor-parallel layout: logical address ``t`` has its one home on rank ``t mod world``.
 
-    Every rank of a ``torch.distributed`` group builds the same config with its own ``rank``.
+    Every rank of a ``torch.distributed`` group builds the same config with its own ``rank``;
     ``inner`` (a ``Tiered``) is this rank's slice of history: GPU only, or with a CPU tier.
-    ``buffer_slots`` GPU rows on every rank hold recently selected entries (``policy`` decides
-    which); the selections are the same on every rank, so every rank takes the same decisions and
-    each home knows what to send. Admission capacity is ``world x inner.capacity``; a ``prepare``
-    may select at most ``max_selection`` distinct addresses a group, at most
-    ``inner.max_selection`` of them homed on one rank.
+    Admission capacity is ``world x inner.capacity``. ``attention`` says where each rank attends:
+
+    - ``"fetch"``: every rank attends over the whole selection. ``buffer_slots`` GPU rows on every
+      rank hold copies of recently selected entries (``policy`` decides which); misses are fetched
+      from their homes by one all-gather of ``fetch_rows`` rows from every rank (a fixed size, so a
+      step can be captured; default: the most one home may hold of a selection). A ``prepare`` may
+      select at most ``buffer_slots`` distinct addresses a group, at most ``inner.max_selection`` of
+      them homed on one rank and at most ``fetch_rows`` of those missing the buffer.
+    - ``"local"``: decode context parallelism. Each rank makes resident only the selected entries
+      homed on it and returns -1 for the others; the engine attends over its part and merges the
+      ranks' partial outputs by their log-sum-exp. No buffer (``buffer_slots`` stays 0), no
+      collective in ``prepare``. A ``prepare`` may select at most ``inner.max_selection``
+      distinct addresses homed on any one rank.
     """
 
     world: int
     rank: int
-    buffer_slots: int
+    buffer_slots: int = 0
     policy: PolicyConfig = field(default_factory=ExactLRU)
     inner: Tiered = field(default_factory=lambda: Tiered(gpu_slots=1))
     timeout_s: float = 60.0  # a collective that takes longer raises CollectiveError on this rank
+    attention: str = "fetch"
+    fetch_rows: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -158,7 +171,17 @@ class Striped:
         _check_int("Striped.rank", self.rank, 0)
         if self.rank >= self.world:
             raise ConfigError(f"Striped.rank must be < world ({self.world}), got {self.rank}")
-        _check_int("Striped.buffer_slots", self.buffer_slots, 1)
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError(f"Striped.attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+        if self.attention == "fetch":
+            _check_int("Striped.buffer_slots", self.buffer_slots, 1)
+            if self.fetch_rows is not None:
+                _check_int("Striped.fetch_rows", self.fetch_rows, 1)
+        elif self.buffer_slots != 0 or self.fetch_rows is not None:
+            raise ConfigError(
+                'Striped(attention="local") keeps no buffer and fetches nothing: leave buffer_slots '
+                f"and fetch_rows unset (got {self.buffer_slots}, {self.fetch_rows})"
+            )
         if not isinstance(self.policy, (ExactLRU, PBLRU)):
             raise ConfigError(
                 f"Striped.policy must be a policy config such as ExactLRU(), got {self.policy!r}"
@@ -175,15 +198,37 @@ class Striped:
             )
 
     @property
+    def local(self) -> bool:
+        """Decode context parallelism: each rank attends over the entries homed on it."""
+        return self.attention == "local"
+
+    @property
     def capacity(self) -> int:
         """Logical addresses all ranks hold together (each on its home rank only)."""
         return self.world * self.inner.capacity
 
     @property
+    def per_home_selection(self) -> int:
+        """Most distinct addresses homed on one rank a ``prepare`` may select: its slice brings
+        them to its GPU."""
+        return self.inner.max_selection
+
+    @property
+    def fetch_width(self) -> int:
+        """Rows every rank contributes to a fetch-mode prepare's all-gather, padding included: the
+        most misses homed on one rank a prepare may have (0 in local mode)."""
+        if self.local:
+            return 0
+        most = min(self.buffer_slots, self.per_home_selection)
+        return most if self.fetch_rows is None else min(self.fetch_rows, most)
+
+    @property
     def max_selection(self) -> int:
-        """Most distinct addresses a ``prepare`` may select in a group: every one passes through
-        the buffer. Those homed on any one rank must also number at most ``inner.max_selection``
-        (its slice brings them to its GPU); every rank checks both before anything changes."""
+        """Most distinct addresses a ``prepare`` may select in a group. Fetch: every one passes
+        through the buffer. Local: each home's share passes through its slice. Every rank checks
+        the limits, and those per home, before anything changes."""
+        if self.local:
+            return self.world * self.per_home_selection
         return self.buffer_slots
 
 

@@ -26,6 +26,14 @@ def debug_enabled() -> bool:
     return os.environ.get("ULAKV_DEBUG", "0") not in ("", "0")
 
 
+def validates(config: PoolConfig, debug: bool) -> bool:
+    """Whether a pool reads each call's status back and raises at once (``PoolConfig.validate``;
+    ``ULAKV_DEBUG=1`` forces it)."""
+    if config.validate is not None and not debug:
+        return config.validate
+    return debug or config.torch_device.type == "cpu"
+
+
 @dataclass(frozen=True)
 class Selection:
     """What ``prepare`` returns: int32 GPU slots in the selection's shape (-1 where padding)."""

@@ -69,6 +69,9 @@ PBLRU = 1
 ST_BAD_ADDRESS = tl.constexpr(1)
 ST_DUPLICATE = tl.constexpr(2)
 ST_TOO_LARGE = tl.constexpr(4)
+# Set by a striped pool (never by a kernel) before planning: one home's share of the selection is
+# more than its slice may bring in, or more of it misses the buffer than a fetch carries from a rank.
+ST_HOME_LIMIT = tl.constexpr(8)
 
 # Per-element flags written by the lookup.
 F_FIRST = tl.constexpr(1)  # first occurrence of its address in the call (the one that acts)

@@ -1,28 +1,27 @@
 """One rank of a tensor-parallel pool: every entry's one home is on rank ``address mod world``.
 
-Each rank holds
+Each rank holds its slice of history: an inner tiered pool over its local addresses
+(``address // world``), GPU only or with a CPU tier, exactly as a data-parallel rank would. What a
+``prepare`` returns depends on where the engine attends (``Striped.attention``):
 
-- its slice of history: an inner tiered pool over its local addresses (``address // world``), GPU
-  only or with a CPU tier, exactly as a data-parallel rank would;
-- a buffer of ``buffer_slots`` GPU rows for recently selected entries, a ``BufferState`` run by the
-  same kernels as a tier except that victims are dropped (their home keeps them) and misses are
-  filled with rows fetched from their homes.
+- ``"local"`` (decode context parallelism): the slots of the selected entries homed on this rank,
+  -1 for the others. Only the slice's plan runs: no collective, no buffer, nothing held twice. The
+  engine attends over its part and merges the ranks' partial outputs by their log-sum-exp.
+- ``"fetch"``: slots for every selected entry. A buffer of ``buffer_slots`` GPU rows, a
+  ``BufferState`` run by the same kernels as a tier except that victims are dropped (their home
+  keeps them) and misses are filled with rows fetched from their homes. All ranks run the same
+  batch, so their buffers take the same decisions and every rank knows every other rank's misses
+  without asking: one all-gather of a fixed size (``ulakv.layouts.row_exchange``) brings them.
+  Locally homed entries are read in place: the slots index this rank's ``gpu_buffer(layer)``, which
+  holds the slice's GPU slots (rows ``[0, S)``, dummy row ``S``) and then the buffer (rows
+  ``S + 1 + b``, dummy last). The buffer holds every selected entry, this rank's own included
+  (their rows are filled but never returned): a ``1/world`` share spent so that the decisions need
+  no communication.
 
-All ranks run the same batch, so they pass the same selections to the buffer, whose kernels are
-deterministic: every rank takes the same buffer decisions and knows every other rank's misses
-without asking. A ``prepare`` therefore needs one collective: each home contributes the rows of the
-misses it holds (read from its own GPU slots, where its inner ``prepare`` has just brought them) and
-an all-gather hands every rank all of them. Locally homed entries are read in place: the slots
-``prepare`` returns index this rank's ``gpu_buffer(layer)``, which holds the inner GPU slots (rows
-``[0, S)``, dummy row ``S``) and then the buffer (rows ``S + 1 + b``, dummy last).
-
-The buffer holds every selected entry, this rank's own included (their buffer rows are filled but
-never returned here): a ``1/world`` share of the buffer spent so that the decisions need no
-communication.
-
-Host syncs: sizing the collective needs the number of misses per home (one small read-back per
-group-step), and validation reads the status. Striped pools are for correctness and capacity first;
-a fixed-size variant for CUDA graphs is left to later work.
+No host syncs on the hot path: every rank decides whether to refuse a call on the device, alike
+(``ulakv.layouts.census``), hands the decision to its plans, whose kernels then change nothing, and
+raises it as a tiered pool does: at once when validating (one read-back), else from a pinned copy
+of the pending word at a later call (``ulakv.deferred``).
 """
 
 from __future__ import annotations
@@ -35,26 +34,23 @@ import torch.distributed as dist
 
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import PoolConfig, Striped, Tiered
+from ..deferred import DeferredStatus
 from ..errors import CapacityError, CollectiveError, InvalidAddressError, InvalidInputError, UlakvError
-from ..frame import PoolFrame, Selection, debug_enabled
+from ..frame import PoolFrame, Selection, debug_enabled, validates
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import release as release_mod
-from ..kernels.operands import detached, readable_indices, readable_rows
+from ..kernels.operands import detached, readable_indices
+from .census import Census, hand_to, take_census
+from .row_exchange import RowExchange
 from .tiered import TieredPool
-from .tiered_state import BufferState, TieredLayout, miss_positions
+from .tiered_state import BufferState, TieredLayout
 
 _ids = itertools.count(1 << 20)
 
-
-def fetch_scratch_bytes(config: PoolConfig, misses_per_home: int) -> int:
-    """GPU bytes one ``prepare`` allocates to fetch up to ``misses_per_home`` rows from each home
-    (kept beside ``_fetch_and_apply``, which allocates them; the capacity planner charges them):
-    the rows this rank sends, every rank's after the all-gather, and the fetched rows in miss order,
-    each row every layer of the longest group."""
-    world = config.layout.world
-    row = config.layers_per_group * config.entry.bytes_per_layer
-    return (1 + 2 * world) * misses_per_home * row
+# The all-gather of a fetch-mode prepare; ``all_gather_single`` where torch has it (2.13 deprecates
+# the older name).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class StripedPool(PoolFrame):
@@ -75,22 +71,38 @@ class StripedPool(PoolFrame):
         self.config = config
         self.device = config.torch_device
         self.world, self.rank = lay.world, lay.rank
+        self.local = lay.local
         S, B, L = lay.inner.gpu_slots, lay.buffer_slots, config.num_layers
         width = config.entry.bytes_per_layer
         self._offset = S + 1  # buffer slot b is row S + 1 + b of gpu_buffer(layer)
-        self._rows = torch.zeros((L, S + 1 + B + 1, width), dtype=torch.uint8, device=self.device)
-        self.inner = TieredPool(config.replace(layout=lay.inner), _gpu_data=self._rows[:, : S + 1])
-        buffer_cfg = config.replace(layout=Tiered(gpu_slots=B, cpu_slots=0, policy=lay.policy))
-        self._buffer = BufferState.allocate(
-            buffer_cfg, gpu_data=self._rows[:, S + 1 :], addresses=lay.capacity
+        rows = S + 1 if self.local else S + 1 + B + 1
+        self._rows = torch.zeros((L, rows, width), dtype=torch.uint8, device=self.device)
+        self.inner = TieredPool(
+            config.replace(layout=lay.inner), _gpu_data=self._rows[:, : S + 1], _owned=True
         )
-        self._buffer.ctl[int(K.E_MAX_SELECTION)] = lay.max_selection
-        self._buffer_layout = TieredLayout(buffer_cfg, self._buffer)
+        self._buffer: BufferState | None = None
+        self._exchange: RowExchange | None = None
+        if not self.local:
+            buffer_cfg = config.replace(layout=Tiered(gpu_slots=B, cpu_slots=0, policy=lay.policy))
+            self._buffer = BufferState.allocate(
+                buffer_cfg, gpu_data=self._rows[:, S + 1 :], addresses=lay.capacity
+            )
+            self._buffer.ctl[int(K.E_MAX_SELECTION)] = lay.max_selection
+            self._buffer_layout = TieredLayout(buffer_cfg, self._buffer)
+            self._exchange = RowExchange(
+                lay.world, lay.rank, lay.fetch_width, config.layers_per_group, width, self.device
+            )
+        self._live = torch.zeros(lay.capacity, dtype=torch.bool, device=self.device)  # admitted addresses
         self._allocator = LogicalAllocator(lay.capacity)
         self._id = next(_ids)
         self._debug = debug_enabled()
+        self._validate = validates(config, self._debug)
+        # This pool's own control words: only E_PENDING is used, the refusals not raised yet.
+        self._ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64, device=self.device)
+        self._deferred = DeferredStatus(self._ctl)
         self._seq_ids = itertools.count()
-        self.bytes_received = 0  # rows fetched from other ranks, cumulative
+        self.bytes_received = 0  # bytes the fetches' all-gathers brought from other ranks, padding included
+        self._bytes_needed = torch.zeros(1, dtype=torch.int64, device=self.device)  # ... that carried a miss
         self.collectives = 0
         self._broken: str | None = None  # why a prepare stopped half-way, if one did
 
@@ -99,12 +111,14 @@ class StripedPool(PoolFrame):
         return self.inner.group_layers(group)
 
     def gpu_buffer(self, layer: int) -> torch.Tensor:
-        """uint8 ``[S + 1 + buffer_slots + 1, bytes]``: this rank's GPU slice, then its buffer."""
+        """uint8 rows ``prepare``'s slots index: this rank's GPU slice ``[S + 1, bytes]`` (local
+        mode), then its buffer (fetch mode: ``[S + 1 + buffer_slots + 1, bytes]``)."""
         self.inner._check_layer(layer)
         return self._rows[layer]
 
     # -- admission -------------------------------------------------------------------------------
     def admit(self, num_tokens: int) -> Sequence:
+        self._check_usable()
         seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
         self._home(seq, self._allocator.take(num_tokens))
         self._after_call()
@@ -112,6 +126,7 @@ class StripedPool(PoolFrame):
 
     def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
         self._check_seq(seq)
+        self._check_usable()
         new = self._home(seq, self._allocator.take(num_tokens))
         self._after_call()
         return new
@@ -134,19 +149,24 @@ class StripedPool(PoolFrame):
             raise
         new = addresses_on(taken, self.device)
         if taken:
-            self._buffer.mapping[:, new] = UNHOMED
+            self._live[new] = True
+            if self._buffer is not None:
+                self._buffer.mapping[:, new] = UNHOMED
             seq._append(taken)
         return new
 
     def release(self, seq: Sequence) -> None:
         self._check_seq(seq)
+        self._check_usable()
         local = self._local(seq._runs)
         self.inner._release_addresses(local, addresses_on(local, self.device))
-        if seq._runs and self.device.type != "meta":  # a capacity plan holds no device state
-            release_mod.release(seq.addresses, self._buffer)
+        if seq._runs:
+            self._live[seq.addresses] = False
+            if self._buffer is not None and self.device.type != "meta":  # a plan holds no state
+                release_mod.release(seq.addresses, self._buffer)
         self._allocator.give_back(seq._runs)
         seq.released = True
-        if self._allocator.free == self._allocator.capacity:
+        if self._buffer is not None and self._allocator.free == self._allocator.capacity:
             self._buffer.reset_residency()
         self._after_call()
 
@@ -156,25 +176,31 @@ class StripedPool(PoolFrame):
         return mine, torch.where(mine, flat // self.world, -1)
 
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
-        """Every rank passes the full rows; each keeps those homed on it, and refreshes its buffer
-        copies of any written entry (no communication)."""
+        """Every rank passes the full rows; each keeps those homed on it and, in fetch mode,
+        refreshes its buffer's copies of any written entry (no communication)."""
         self._check_write(layer, addrs, rows)
         self._check_usable()
-        self._check_live("write", addrs, unique=True)  # on every rank, before any rank changes anything
+        self._raise_refused()
+        if addrs.numel() == 0:
+            return
+        flat = addrs.to(torch.int64)
+        census = self._census(flat, unique=True)
+        self._settle("write", census, [self.inner._state.ctl])
         rows = detached(rows, self._rows)  # index_copy_ below refuses an overlap, after inner's write
-        _, local = self._local_of(addrs.to(torch.int64))
+        _, local = self._local_of(flat)
         self.inner.write(layer, local, rows)
-        g = self.config.group_of(layer)
-        held = self._buffer.mapping[g, addrs.clamp(min=0).long()]
-        cached = (addrs >= 0) & (held >= 0) & (held < self._buffer.gpu_slots)
-        dummy = self._rows.shape[1] - 1
-        rows_at = torch.where(cached, self._offset + held.long(), dummy)
-        self._rows[layer].index_copy_(0, rows_at, rows)
-        self._after_call()
+        if self._buffer is not None:
+            g = self.config.group_of(layer)
+            held = self._buffer.mapping[g, flat.clamp(min=0)]
+            cached = (flat >= 0) & (held >= 0) & (held < self._buffer.gpu_slots) & (census.status == 0)
+            dummy = self._rows.shape[1] - 1  # a refused write changes no copy either
+            self._rows[layer].index_copy_(0, torch.where(cached, self._offset + held.long(), dummy), rows)
+        self._finish_call()
 
     def prepare(self, group: int, topk: torch.Tensor) -> Selection:
-        """Collective: every rank passes the same ``topk`` and gets slots into its own
-        ``gpu_buffer(layer)``; misses are fetched from their homes with one all-gather."""
+        """Every rank passes the same ``topk`` and gets slots into its own ``gpu_buffer(layer)``:
+        of every selected entry (fetch mode, collective: misses come from their homes in one
+        all-gather), or of those homed on it, -1 for the others (local mode)."""
         self._need_kernels("prepare")
         self._check_usable()
         self.inner._check_group(group)
@@ -183,94 +209,97 @@ class StripedPool(PoolFrame):
         if topk.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
         self.inner._check_device("prepare: topk", topk)
+        self._raise_refused()
         flat = readable_indices(topk.to(torch.int64))
-        T = flat.numel()
-        if T == 0:
+        if flat.numel() == 0:
             return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
-        layers = self.config.group_layers(group)
-        self._check_live("prepare", flat)  # bad addresses first, on every rank alike
-        self._check_per_home(flat)
-        plan, _ = self._buffer_layout.plan(group, flat)
-        status = int(self._buffer.ctl[int(K.E_LAST_STATUS)])
-        if status:
-            self._buffer.ctl[int(K.E_PENDING)] = 0
-            self._buffer_layout.execute(plan, fetched=plan.scratch.victims)  # refused: moves nothing
-            if status & int(K.ST_TOO_LARGE):
-                raise CapacityError(
-                    f"prepare: more distinct addresses than the {self.config.layout.max_selection} a "
-                    "striped prepare may select (buffer_slots); nothing changed"
-                )
-            raise InvalidAddressError("prepare: addresses out of range or not live; nothing changed")
-        try:
-            selection = self._fetch_and_apply(group, topk, flat, plan, layers)
-        except BaseException as exc:
-            # The buffer's plan has taken slots and moved its policy, and the ranks may be out of
-            # step: nothing further on this pool can be trusted.
-            self._broken = f"{type(exc).__name__}: {exc}"
-            raise
-        self._after_call()
-        return selection
+        if self.local:
+            census = self._census(flat)
+            self._settle("prepare", census, [self.inner._state.ctl])
+            _, local = self._local_of(flat)
+            slots = self.inner.prepare(group, local.view(1, -1)).slots
+        else:
+            census = self._census(flat, group=group)
+            self._settle("prepare", census, [self._buffer.ctl, self.inner._state.ctl])
+            try:
+                slots = self._fetch_and_apply(group, flat)
+            except BaseException as exc:
+                # The buffer's plan has taken slots and moved its policy, and the ranks may be out of
+                # step: nothing further on this pool can be trusted.
+                self._broken = f"{type(exc).__name__}: {exc}"
+                raise
+        self._finish_call()
+        return Selection(group, slots.to(torch.int32).view(topk.shape))
 
-    def _check_per_home(self, flat: torch.Tensor) -> None:
-        """Refuse, on every rank alike, a selection with more distinct addresses homed on one rank
-        than that rank's slice may bring to its GPU in one prepare (one small read-back)."""
-        used = flat[flat >= 0].sort().values
-        if used.numel() == 0:
+    def _census(self, flat: torch.Tensor, *, unique: bool = False, group: int | None = None) -> Census:
+        """The call's census (``ulakv.layouts.census``): the same on every rank. With ``group``, a
+        fetch-mode prepare's: its buffer's limits too."""
+        lay: Striped = self.config.layout
+        buffered = None
+        if group is not None:
+            mapping, B = self._buffer.mapping[group], self._buffer.gpu_slots
+            buffered = lambda a: (mapping[a] >= 0) & (mapping[a] < B)
+        return take_census(
+            flat,
+            world=self.world,
+            live=self._live,
+            per_home=None if unique else lay.per_home_selection,  # a write brings nothing in
+            most=lay.buffer_slots if group is not None else None,
+            unique=unique,
+            buffered=buffered,
+            fetch_width=lay.fetch_width,
+        )
+
+    def _settle(self, what: str, census: Census, plans: list[torch.Tensor]) -> None:
+        """Validating: read the census and raise before anything changes. Otherwise hand it to
+        the control words of the plans about to run (they refuse together) and to the pending
+        word this pool raises from later."""
+        if self._validate:
+            status = int(census.status)
+            if status:
+                raise self._status_error(what, status, census)
             return
-        first = torch.ones_like(used, dtype=torch.bool)
-        first[1:] = used[1:] != used[:-1]
-        per_home = torch.bincount(used[first] % self.world, minlength=self.world)
-        limit = self.config.layout.inner.max_selection
-        worst = int(per_home.max())
-        if worst > limit:
-            raise CapacityError(
-                f"prepare: {worst} distinct addresses homed on rank {int(per_home.argmax())}, more than the "
-                f"{limit} its slice may bring in at once (inner max_selection); nothing changed"
-            )
+        for ctl in plans:
+            hand_to(ctl, census)
+        pending = int(K.E_PENDING)
+        self._ctl[pending : pending + 1].bitwise_or_(census.status)
 
-    def _fetch_and_apply(self, group, topk, flat, plan, layers):
-        T = flat.numel()
+    def _finish_call(self) -> None:
+        if not self._validate:
+            self._deferred.publish()
+        self._after_call()
+
+    def _fetch_and_apply(self, group: int, flat: torch.Tensor) -> torch.Tensor:
+        T, layers = flat.numel(), self.config.group_layers(group)
+        plan, _ = self._buffer_layout.plan(group, flat)
         mine, local = self._local_of(flat)
         inner_slots = self.inner.prepare(group, local.view(1, T)).slots.view(-1)
-
-        # The misses, in the buffer's victim order (the same on every rank), and their homes.
-        sc = plan.scratch
-        miss_pos = miss_positions(plan)
-        home = flat[miss_pos] % self.world
-        onehot = home[:, None] == torch.arange(self.world, device=self.device)[None, :]
-        per_home = onehot.sum(0).tolist()
-        width = max(per_home) if per_home else 0
-        fetched = None
-        if width:
-            ours = miss_pos[home == self.rank]
-            slots_here = inner_slots[ours].long()
-            send = torch.zeros(
-                (width, len(layers), self._rows.shape[2]), dtype=torch.uint8, device=self.device
-            )
-            send[: ours.numel()] = self._rows[layers.start : layers.stop][:, slots_here].permute(1, 0, 2)
-            # One tensor for every rank's rows (views of it are the all-gather's outputs): no copy
-            # to stack them. Peak: send + world x send + the fetched rows (fetch_scratch_bytes).
-            gathered = torch.empty((self.world, *send.shape), dtype=send.dtype, device=send.device)
-            self._collective("the all-gather of missed rows", dist.all_gather, list(gathered.unbind(0)), send)
-            self.bytes_received += (self.world - 1) * send.numel()
-            rank_in_home = (onehot.long().cumsum(0) - 1).gather(1, home[:, None]).flatten()
-            fetched = gathered[home, rank_in_home]
-        fetched = readable_rows(fetched) if fetched is not None else sc.victims
-        self._buffer_layout.execute(plan, fetched=fetched)
-        slots = torch.where(mine, inner_slots, torch.where(flat >= 0, self._offset + plan.slots, -1))
-        return Selection(group, slots.to(torch.int32).view(topk.shape))
+        exchange = self._exchange
+        send_slots, fetch_rows, remote = exchange.plan(flat, plan.scratch, inner_slots, self._offset - 1)
+        send, gathered = exchange.views(len(layers))
+        # The rows of this home's misses, every layer of the group, gathered straight into send.
+        torch.index_select(self._rows[layers.start : layers.stop].transpose(0, 1), 0, send_slots, out=send)
+        self._collective("the all-gather of missed rows", _all_gather, gathered, send)
+        self.bytes_received += exchange.wire_bytes(len(layers))
+        self._bytes_needed += remote * (len(layers) * self.config.entry.bytes_per_layer)
+        self._buffer_layout.execute(plan, fetched=gathered, fetch_rows=fetch_rows)
+        buffered = torch.where(plan.slots >= 0, self._offset + plan.slots, -1)
+        return torch.where(mine, inner_slots, buffered)
 
     # -- slow paths ------------------------------------------------------------------------------
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
-        """Collective: the bytes of ``addrs`` from their homes, on every rank."""
+        """Collective: the bytes of ``addrs`` from their homes, on every rank (synchronises)."""
         self._need_kernels("read")
         self._check_usable()
+        self.check()
         self.inner._check_layer(layer)
         self._check_addresses("read", addrs)
         flat = addrs.reshape(-1).to(torch.int64).to(self.device)
         if bool((flat < 0).any()):
             raise InvalidAddressError(f"read: addresses out of range [0, {self.capacity})")
-        self._check_live("read", flat)
+        status = int(self._census(flat).status) & int(K.ST_BAD_ADDRESS)  # a slow path: it may sync
+        if status:
+            raise self._status_error("read", status, None)
         mine, local = self._local_of(flat)
         out = torch.zeros(
             (flat.numel(), self.config.entry.bytes_per_layer), dtype=torch.uint8, device=self.device
@@ -282,31 +311,98 @@ class StripedPool(PoolFrame):
         return words.view(torch.uint8) if out.shape[1] % 4 == 0 else words.to(torch.uint8)
 
     def stats(self) -> dict[str, int]:
-        """This rank's counters: its slice (``distinct_entries``, ``physical_slots_used``, tier
-        traffic) and its buffer (``hits``/``misses`` of every selection, rows fetched)."""
+        """This rank's counters (synchronises, and raises a refusal not raised yet): its slice
+        (``distinct_entries``, ``physical_slots_used``, tier traffic), its buffer in fetch mode
+        (``hits``/``misses`` of every selection, rows fetched), and the wire: ``bytes_communicated``
+        received by the fetches' all-gathers, padding included, of which ``bytes_needed`` carried a
+        miss homed elsewhere."""
+        self._need_kernels("stats")
+        self.check()
         inner = self.inner.stats()
-        buffer = dict(zip(K.STAT_NAMES, self._buffer.stats.tolist(), strict=False))
-        used = self.num_groups * self._buffer.gpu_slots - int(self._buffer.gctl[:, int(K.G_GPU_FREE)].sum())
-        return {
+        out = {
             **inner,
             "live_addresses": self.capacity - self.free_addresses,
-            "hits": buffer["hits"],
-            "misses": buffer["misses"],
-            "buffer_slots_used": used,
-            "buffer_victims": buffer["victims"],
-            "bytes_in": inner["bytes_in"] + self.bytes_received,
+            "buffer_slots_used": 0,
+            "buffer_victims": 0,
             "bytes_communicated": self.bytes_received,
+            "bytes_needed": int(self._bytes_needed),
             "collectives": self.collectives,
         }
+        if self._buffer is not None:
+            buffer = dict(zip(K.STAT_NAMES, self._buffer.stats.tolist(), strict=False))
+            free = int(self._buffer.gctl[:, int(K.G_GPU_FREE)].sum())
+            out.update(
+                hits=buffer["hits"],
+                misses=buffer["misses"],
+                buffer_slots_used=self.num_groups * self._buffer.gpu_slots - free,
+                buffer_victims=buffer["victims"],
+                bytes_in=inner["bytes_in"] + self.bytes_received,
+            )
+        return out
 
     def check(self) -> None:
-        self.inner.check()
+        """Raise (and clear) a refusal that a non-validating ``prepare`` or ``write`` recorded."""
+        self._need_kernels("check")
+        pending = int(self._ctl[int(K.E_PENDING)])
+        self._deferred.forget()
+        self.inner.check()  # its plans' copies of the same refusals: cleared
+        if self._buffer is not None:
+            self._buffer.ctl[int(K.E_PENDING)] = 0
+        if pending:
+            self._ctl[int(K.E_PENDING)] = 0
+            raise self._status_error("an earlier call", pending, None)
 
     def check_invariants(self) -> None:
-        """The inner slice's invariants, and the buffer's (one slot per buffered entry, free
-        stack and policy order consistent)."""
+        """The inner slice's invariants, and in fetch mode the buffer's (one slot per buffered
+        entry, free stack and policy order consistent)."""
         self.inner.check_invariants()
-        check_invariants(self._buffer, self._allocator)
+        if self._buffer is not None:
+            check_invariants(self._buffer, self._allocator)
+
+    # -- refusals --------------------------------------------------------------------------------
+    def _raise_refused(self) -> None:
+        """Without validation: raise the refusal of an earlier call once its status has reached
+        the host (``ulakv.deferred``; no sync)."""
+        if not self._validate:
+            status = self._deferred.take()
+            if status:
+                what = "an earlier prepare or write (refused: its slots were -1)"
+                raise self._status_error(what, status, None)
+
+    def _status_error(self, what: str, status: int, census: Census | None) -> UlakvError:
+        lay: Striped = self.config.layout
+        if status & int(K.ST_BAD_ADDRESS):
+            return InvalidAddressError(
+                f"{what}: addresses out of range [0, {self.capacity}) or not live; nothing changed"
+            )
+        if status & int(K.ST_DUPLICATE):
+            return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
+        if status & int(K.ST_TOO_LARGE):
+            return CapacityError(
+                f"{what}: more distinct addresses than the {lay.max_selection} a striped prepare may "
+                "select (buffer_slots); nothing changed"
+            )
+        if status & int(K.ST_HOME_LIMIT):
+            if census is None:
+                return CapacityError(
+                    f"{what}: more distinct addresses homed on one rank than its slice may bring in at once "
+                    f"({lay.per_home_selection}), or more of them missing the buffer than a fetch carries "
+                    f"({lay.fetch_width}); nothing changed"
+                )
+            distinct, missing = census.distinct.tolist(), census.missing.tolist()
+            worst = max(range(self.world), key=lambda r: distinct[r])
+            if distinct[worst] > lay.per_home_selection:
+                return CapacityError(
+                    f"{what}: {distinct[worst]} distinct addresses homed on rank {worst}, more than the "
+                    f"{lay.per_home_selection} its slice may bring in at once (inner max_selection); "
+                    "nothing changed"
+                )
+            worst = max(range(self.world), key=lambda r: missing[r])
+            return CapacityError(
+                f"{what}: {missing[worst]} addresses homed on rank {worst} miss the buffer, more than the "
+                f"{lay.fetch_width} rows a fetch carries from one rank (fetch_rows); nothing changed"
+            )
+        return UlakvError(f"{what}: failed with status {status}; nothing changed")
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -316,29 +412,20 @@ class StripedPool(PoolFrame):
             )
 
     def _collective(self, what: str, op, *args) -> None:
-        """Run ``op`` and wait for it at most ``timeout_s``: a dead or stalled rank becomes a
-        ``CollectiveError`` here, never a silent hang."""
+        """Run ``op``; on gloo (CPU tensors) wait for it at most ``timeout_s``, so that a dead or
+        stalled rank becomes a ``CollectiveError`` here, never a silent hang. On a GPU the wait
+        only orders the stream (a host-side timeout would block the host, and a captured step
+        cannot wait on it): the process group's own timeout watches it."""
         timeout = self.config.layout.timeout_s
         try:
             work = op(*args, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            if self.device.type == "cpu":
+                work.wait(timeout=datetime.timedelta(seconds=timeout))
+            else:
+                work.wait()
         except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses
             raise CollectiveError(
                 f"rank {self.rank} of {self.world}: {what} did not complete within {timeout:g} s "
                 f"(a rank died, stalled, or called something else): {exc}"
             ) from exc
         self.collectives += 1
-
-    def _check_live(self, what: str, addrs: torch.Tensor, unique: bool = False) -> None:
-        """Checks every rank can make alike (they all hold the global addresses and the buffer's
-        mapping of them), so all ranks refuse the same calls."""
-        flat = addrs.reshape(-1).to(torch.int64)
-        used = flat[flat >= 0]
-        if bool((used >= self.capacity).any()) or bool((flat < -1).any()):
-            raise InvalidAddressError(f"{what}: addresses out of range [0, {self.capacity})")
-        if bool((self._buffer.mapping[0, used] == -1).any()):
-            raise InvalidAddressError(f"{what}: addresses not live (released or never admitted)")
-        if unique and used.numel() > 1:
-            ordered = used.sort().values
-            if bool((ordered[1:] == ordered[:-1]).any()):
-                raise InvalidAddressError(f"{what}: an address appears more than once; nothing changed")

@@ -17,7 +17,7 @@ from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, r
 from ..config import PoolConfig, Replicated
 from ..deferred import DeferredStatus
 from ..errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
-from ..frame import PoolFrame, Selection, debug_enabled
+from ..frame import PoolFrame, Selection, debug_enabled, validates
 from ..invariants import PlanSnapshot, check_invariants, check_plan, snapshot_plan
 from ..kernels import common as K
 from ..kernels.operands import readable_indices
@@ -31,7 +31,9 @@ class TieredPool(PoolFrame):
     """The pool of a ``Tiered`` or ``Replicated`` layout (``ulakv.Pool(config)`` builds it; the
     public contract of every call is in ``docs/design.md``)."""
 
-    def __init__(self, config: PoolConfig, *, _gpu_data: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, config: PoolConfig, *, _gpu_data: torch.Tensor | None = None, _owned: bool = False
+    ) -> None:
         if not isinstance(config, PoolConfig):
             raise InvalidInputError(f"Pool needs a PoolConfig, got {type(config).__name__}")
         self.config = config
@@ -39,10 +41,13 @@ class TieredPool(PoolFrame):
         self._id = next(_pool_ids)
         self._seq_ids = itertools.count()
         self._debug = debug_enabled()
-        if config.validate is not None and not self._debug:
-            self._validate = config.validate
-        else:
-            self._validate = self._debug or self.device.type == "cpu"
+        self._validate = validates(config, self._debug)
+        # A striped rank's slice (``_owned``) neither reads nor raises its refusals: its owner decides
+        # every call's status for all ranks on the device before planning, hands it to this pool's
+        # plan, and reports it itself (``ulakv.layouts.striped``).
+        self._owned = _owned
+        if _owned:
+            self._validate = False
         # A replica of a Replicated pool is stored as a GPU-only tiered pool; stats() counts the
         # other world - 1 replicas' slots too.
         layout = config.layout
@@ -182,7 +187,7 @@ class TieredPool(PoolFrame):
         plan, launches = self._layout.plan(group, selection, **kwargs)
         self._launches += launches
         self._raise_if_failed(what, plan)
-        if not self._validate:
+        if not self._validate and not self._owned:
             self._deferred.publish()
         self._pending = plan
         self._audit = None if snapshot is None else (plan, snapshot)
@@ -280,6 +285,9 @@ class TieredPool(PoolFrame):
     def check(self) -> None:
         """Raise (and clear) an error that a non-validating ``prepare``/``write`` recorded."""
         self._need_kernels("check")
+        if self._owned:  # the owner raised or will raise it, in its own words
+            self._state.ctl[int(K.E_PENDING)] = 0
+            return
         pending = int(self._state.ctl[int(K.E_PENDING)])
         self._deferred.forget()
         if pending:
@@ -322,7 +330,7 @@ class TieredPool(PoolFrame):
     def _raise_refused(self) -> None:
         """Without validation: raise the refusal of an earlier ``prepare`` or ``write`` once its
         status has reached the host (``ulakv.deferred``; no sync)."""
-        if not self._validate:
+        if not self._validate and not self._owned:
             status = self._deferred.take()
             if status:
                 raise self._status_error(
