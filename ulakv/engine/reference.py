@@ -16,9 +16,17 @@
   dense causal attention over the prompt itself and one store write a layer, decoding then starting
   from the last prompt token's output (long histories in few steps).
 
+* Decode context parallelism (a ``Striped(attention="local")`` pool): each rank attends over the
+  selected entries homed on it (address mod world), returns its partial output with its
+  log-sum-exp, and the ranks merge them (``ulakv.engine.context_parallel``).
+
 The KV store is pluggable: ``DenseKV`` keeps every latent in one tensor indexed by position; ``PoolKV``
 keeps them in a ``ulakv.Pool`` and speaks logical addresses. The same model over either store must
-give bit-identical logits: the pool only moves bytes.
+give bit-identical logits: the pool only moves bytes. ``DenseKV(world=...)`` is the dense reference
+of a split: it keeps every latent, but attends rank by rank over each rank's part, as decode
+context parallelism does, and merges the parts in the same order, so a local-mode striped pool
+must match it bit for bit; against attention on one device the split differs only by float32
+rounding.
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..address_space import LogicalAllocator, addresses_on
 from ..config import CPUOffloadBaseline, EntrySpec, PoolConfig, Replicated, Striped, Tiered
 from ..layouts.tiered import TieredPool
 from ..pool import Pool
 from .adapter import GroupStep, SparseKV
+from .context_parallel import all_gather_partials, merge_partials, partial_attention
 from .indexer import global_topk, index_scores, topk_merge
 
 LATENT = 512
@@ -70,21 +80,39 @@ def dense_pick(queries: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tenso
     return global_topk(index_scores(queries, keys), k)
 
 
-class DenseKV:
-    """All latents in one tensor per layer: the reference the pool must match."""
+# What a store hands the attention of one layer: the parts this process attends over, each the
+# selected rows ``[B, Q, K, WIDTH]`` (zeros where not attended) and which it attends ``[B, Q, K]``.
+Part = tuple[torch.Tensor, torch.Tensor]
 
-    def __init__(self, spec: DecoderSpec, requests: int, max_len: int) -> None:
+
+class DenseKV:
+    """All latents in one tensor per layer: the reference the pool must match. With ``world > 1``,
+    the reference of decode context parallelism: positions get logical addresses exactly as a
+    striped pool hands them out (the same lowest-first allocator, the same calls), and attention
+    runs over each rank's part (addresses homed on it) in turn, then merges them."""
+
+    def __init__(self, spec: DecoderSpec, requests: int, max_len: int, world: int = 1) -> None:
         self.spec = spec
         self.kv = torch.zeros((spec.layers, requests, max_len, WIDTH), dtype=torch.bfloat16)
+        self.world = world
+        self.split = world > 1
+        self._allocator = LogicalAllocator(requests * max_len)  # never exhausted: only the order matters
+        self._runs: dict[int, list[range]] = {}
 
     def admit(self, rid: int) -> None:
-        pass
+        self._runs[rid] = []
 
     def release(self, rid: int) -> None:
-        pass
+        self._allocator.give_back(self._runs.pop(rid))
 
     def write(self, layer: int, rids: list[int], positions: list[int], latents: torch.Tensor) -> None:
         self.kv[layer, rids, positions] = latents
+        if layer == 0:  # a pool store extends its requests here, request by request in this order
+            for r in dict.fromkeys(rids):
+                need = max(p for q, p in zip(rids, positions, strict=True) if q == r) + 1
+                have = sum(len(run) for run in self._runs[r])
+                if need > have:
+                    self._runs[r] += self._allocator.take(need - have)
 
     def pick(self, group: int, rid: int, queries: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
         return dense_pick(queries, keys, k)
@@ -92,11 +120,28 @@ class DenseKV:
     def select(self, group: int, rids: list[int], positions: torch.Tensor) -> torch.Tensor:
         return positions
 
-    def rows(self, layer: int, rids: list[int], handle: torch.Tensor) -> torch.Tensor:
-        """Latents ``[B, Q, K, WIDTH]`` of the selected positions (padding rows are zeros)."""
+    def parts(self, layer: int, rids: list[int], handle: torch.Tensor) -> list[Part]:
+        """The latents of the selected positions ``[B, Q, K, WIDTH]``: one part, or one a rank."""
         idx = handle.clamp(min=0)
-        out = torch.stack([self.kv[layer, r][idx[b]] for b, r in enumerate(rids)])
-        return torch.where((handle >= 0)[..., None], out, torch.zeros((), dtype=out.dtype))
+        rows = torch.stack([self.kv[layer, r][idx[b]] for b, r in enumerate(rids)])
+        if not self.split:
+            return [_attended(rows, handle >= 0)]
+        homes = torch.stack(
+            [
+                addresses_on(self._runs[r], torch.device("cpu"))[idx[b]] % self.world
+                for b, r in enumerate(rids)
+            ]
+        )
+        return [_attended(rows, (handle >= 0) & (homes == rank)) for rank in range(self.world)]
+
+    def combine(self, partials: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Every rank's partial output and LSE, merged (the ranks' order)."""
+        outs, lses = zip(*partials, strict=True)
+        return merge_partials(torch.stack(outs), torch.stack(lses))
+
+
+def _attended(rows: torch.Tensor, valid: torch.Tensor) -> Part:
+    return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype)), valid
 
 
 class PoolKV:
@@ -126,6 +171,7 @@ class PoolKV:
             )
         )
         self.striped = isinstance(layout, Striped)
+        self.split = self.striped and layout.local  # decode context parallelism: attend over a part
         self.kv = (
             SparseKV(
                 self.pool, max_batch=max_batch, top_k=spec.topk, max_queries=spec.queries, prefetch=prefetch
@@ -135,6 +181,7 @@ class PoolKV:
         )
         self.seqs: dict[int, object] = {}
         self.indexer_bytes = 0  # received by the striped indexer's merges (tensor parallelism)
+        self.partial_bytes = 0  # received by the merges of partial attention (local mode)
 
     def admit(self, rid: int) -> None:
         self.seqs[rid] = self.pool.admit(0)
@@ -183,11 +230,18 @@ class PoolKV:
             return GroupStep(group, self.pool.group_layers(group), slots, None)
         return self.kv.prepare(group, addrs)
 
-    def rows(self, layer: int, rids: list[int], step: GroupStep) -> torch.Tensor:
+    def parts(self, layer: int, rids: list[int], step: GroupStep) -> list[Part]:
+        """The rows the slots point at; in local mode only this rank's part (-1: not attended)."""
         slots = step.wait(layer)
         buf = self.pool.gpu_buffer(layer).view(torch.bfloat16)
-        out = buf[slots.clamp(min=0).long()]
-        return torch.where((slots >= 0)[..., None], out, torch.zeros((), dtype=out.dtype))
+        return [_attended(buf[slots.clamp(min=0).long()], slots >= 0)]
+
+    def combine(self, partials: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """This rank's partial output and LSE, gathered from every rank and merged."""
+        ((out, lse),) = partials
+        outs, lses = all_gather_partials(out, lse, self.pool.world)
+        self.partial_bytes += (self.pool.world - 1) * (out.numel() * out.element_size() + lse.numel() * 4)
+        return merge_partials(outs, lses)
 
 
 class TinyDecoder:
@@ -235,14 +289,25 @@ class TinyDecoder:
             for layer in layers:
                 if layer != first:
                     store.write(layer, rids, positions, (x @ self.w_kv[layer]).to(torch.bfloat16))
-                kv = store.rows(layer, rids, handle).float()  # [B, Q, K, WIDTH]
                 q = (x @ self.w_q[layer]).view(B, s.heads, WIDTH)
-                scores = torch.einsum("bhw,bqkw->bqhk", q, kv) / math.sqrt(WIDTH)
-                scores = scores.masked_fill((picks < 0)[:, :, None, :], float("-inf"))
-                attn = torch.softmax(scores, dim=-1)
-                out = torch.einsum("bqhk,bqkl->bqhl", attn, kv[..., :LATENT])[:, 0]  # first query
+                out = self._attend(store, q, store.parts(layer, rids, handle))[:, 0]  # first query
                 x = torch.tanh(x + out.reshape(B, -1) @ self.w_o[layer])
         return x @ self.unembed
+
+    @staticmethod
+    def _attend(store, q: torch.Tensor, parts: list[Part]) -> torch.Tensor:
+        """Sparse attention of ``q`` ``[B, heads, WIDTH]`` over the selected latents: ``[B, Q,
+        heads, LATENT]``. A split store's parts are attended one by one and merged by LSE."""
+
+        def scores(kv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+            s = torch.einsum("bhw,bqkw->bqhk", q, kv) / math.sqrt(WIDTH)
+            return s.masked_fill(~valid[:, :, None, :], float("-inf"))
+
+        parts = [(rows.float(), valid) for rows, valid in parts]
+        if getattr(store, "split", False):
+            return store.combine([partial_attention(scores(kv, ok), kv[..., :LATENT]) for kv, ok in parts])
+        ((kv, valid),) = parts
+        return torch.einsum("bqhk,bqkl->bqhl", torch.softmax(scores(kv, valid), dim=-1), kv[..., :LATENT])
 
     def prefill(
         self, store, keys: list[list[torch.Tensor]], rids: list[int], prompts: list[tuple[int, ...]]
@@ -291,12 +356,15 @@ def decode(
     *,
     prefill: bool = False,
     on_step: Callable[[int], object] | None = None,
+    forced: list[list[int]] | None = None,
 ) -> Decoded:
     """Run every request to completion through ``store``. ``prefill``: the prompts of a step's
     arrivals are computed in one pass (:meth:`TinyDecoder.prefill`), each request's first token
     comes from its prompt's last position, and it decodes from that step on; otherwise each prompt
     token is a step. ``on_step(step)`` runs before each step's decode, after that step's arrivals are
-    admitted and prefilled: a caller's measuring point."""
+    admitted and prefilled: a caller's measuring point. ``forced``: every request's tokens are these
+    (an earlier run's ``tokens``) instead of the argmax of its logits, so that two runs whose logits
+    differ by rounding are compared on the same inputs (teacher forcing)."""
     s = model.spec
     keys = [{i: [] for i in range(len(requests))} for _ in range(s.groups)]
     fed = [0] * len(requests)  # tokens fed so far (prompt and generated)
@@ -304,7 +372,7 @@ def decode(
     logits_log = []
 
     def emit(i: int, logits: torch.Tensor) -> None:
-        generated[i].append(int(torch.argmax(logits)))
+        generated[i].append(int(torch.argmax(logits)) if forced is None else forced[i][len(generated[i])])
         if len(generated[i]) == requests[i].new_tokens:
             store.release(i)
 
