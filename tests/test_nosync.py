@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from nosync import (
     _ULAKV_DIR,
     HostSyncError,
@@ -25,7 +24,8 @@ from nosync import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ulakv.layouts.tiered
-from ulakv import EntrySpec, ExactLRU, Pool, PoolConfig, Striped, Tiered
+from ulakv import CapacityError, EntrySpec, ExactLRU, Pool, PoolConfig, Striped, Tiered
+from ulakv.spawn import run_ranks
 
 aten = torch.ops.aten
 
@@ -336,25 +336,68 @@ def test_a_mask_index_planted_in_prepare_is_caught(monkeypatch: pytest.MonkeyPat
         pool.prepare(0, topk)
 
 
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def _striped_rank(rank: int, world: int, attention: str) -> dict:
+    """One rank of a world-2 striped pool (validate=False): writes of new entries (some get CPU
+    homes), a rewrite, and two prepares whose misses come from the CPU and evict, all under the
+    detector; then a refusal raised through the deferred path."""
+    buffer = dict(buffer_slots=8) if attention == "fetch" else {}
+    inner = Tiered(gpu_slots=4, cpu_slots=8, policy=ExactLRU())  # a home brings in at most 4 a call
+    pool = Pool(_config(Striped(world=world, rank=rank, attention=attention, inner=inner, **buffer)))
+    addrs = pool.admit(num_tokens=16).addresses  # 8 a rank: 4 on its GPU, 4 on its CPU
+    rows = [
+        (torch.arange(16 * WIDTH).view(16, WIDTH) * (layer + 3) % 251).to(torch.uint8) for layer in range(2)
+    ]
+    new = torch.full((2, WIDTH), 7, dtype=torch.uint8)
+    # 4 distinct a home (its limit): the CPU-homed ones miss and evict the GPU-homed ones.
+    first = addrs[[8, 9, 10, 11, 12, 13, 14, 15]].view(2, 4)
+    second = torch.stack([addrs[[0, 1, 8, -1]], addrs[[2, 3, 0, 9]]])
+    with no_host_sync():
+        for layer in range(LAYERS):
+            pool.write(layer, addrs, rows[layer])
+        pool.write(1, addrs[[1, 2]], new)
+    rows[1][[1, 2]] = new
+    checked = 0
+    for topk in (first, second):
+        with no_host_sync():
+            slots = pool.prepare(0, topk).slots
+        # Read before the next prepare, which may reuse the buffer's slots.
+        for a, slot in zip(topk.flatten().tolist(), slots.flatten().tolist(), strict=True):
+            homed_here = a >= 0 and a % world == rank
+            assert (slot >= 0) == (a >= 0 and (homed_here or attention == "fetch")), (a, slot)
+            if slot >= 0:
+                for layer in range(LAYERS):
+                    assert torch.equal(pool.gpu_buffer(layer)[slot], rows[layer][a]), (a, layer)
+                    checked += 1
+    stats = pool.stats()
+    pool.check_invariants()
+    # Five distinct addresses homed on rank 0 in one call: refused on the device, raised at the
+    # next call on every rank alike, nothing changed.
+    too_many = addrs[[0, 2, 4, 6, 8, -1]].view(1, 6)
+    with no_host_sync():
+        refused = pool.prepare(0, too_many).slots
+    kept = [pool.gpu_buffer(layer).clone() for layer in range(LAYERS)]
+    with pytest.raises(CapacityError, match="homed on one rank") as raised:
+        pool.prepare(0, second)
+    assert all(torch.equal(pool.gpu_buffer(layer), kept[layer]) for layer in range(LAYERS))
+    # A refused fetch still runs its all-gather (padding) and its kernels (which change nothing).
+    wire = ("bytes_communicated", "collectives", "bytes_in", "launches")
+    after = pool.stats()
+    changed = {k: (stats[k], v) for k, v in after.items() if k not in wire and v != stats[k]}
+    assert not changed, changed
+    assert torch.equal(pool.prepare(0, second).slots, slots)  # still in service, same slots
+    return {
+        "checked": checked,
+        "misses": stats["misses"],
+        "refused": refused.tolist(),
+        "error": str(raised.value),
+    }
 
 
 @skip_under_debug
-@pytest.mark.xfail(
-    strict=True,
-    raises=HostSyncError,
-    reason="the striped prepare reads back the misses per home (sizing its all-gather) and checks its "
-    "input on the host (ulakv/layouts/striped.py); flips when those syncs are gone",
-)
-def test_striped_prepare_does_not_sync(world_of_one: None) -> None:
-    layout = Striped(world=1, rank=0, buffer_slots=4, inner=Tiered(gpu_slots=4, cpu_slots=8))
-    pool = Pool(_config(layout))
-    _, _, topk = _filled(pool, 6)
-    with no_host_sync():
-        pool.prepare(0, topk)
+@pytest.mark.parametrize("attention", ["fetch", "local"])
+def test_striped_prepare_and_write_do_not_sync(attention: str) -> None:
+    """World 2 on gloo, both attention modes: the whole hot path of a striped rank, and a refusal."""
+    results = run_ranks(_striped_rank, 2, attention)
+    assert all(r["checked"] > 0 and r["misses"] > 0 for r in results)
+    assert all(r["refused"] == [[-1] * 6] for r in results)  # a refused call's slots
+    assert results[0]["error"] == results[1]["error"]  # the same refusal on every rank

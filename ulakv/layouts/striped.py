@@ -222,7 +222,7 @@ class StripedPool(PoolFrame):
             census = self._census(flat, group=group)
             self._settle("prepare", census, [self._buffer.ctl, self.inner._state.ctl])
             try:
-                slots = self._fetch_and_apply(group, flat)
+                slots = self._fetch_and_apply(group, flat, census.status)
             except BaseException as exc:
                 # The buffer's plan has taken slots and moved its policy, and the ranks may be out of
                 # step: nothing further on this pool can be trusted.
@@ -269,7 +269,7 @@ class StripedPool(PoolFrame):
             self._deferred.publish()
         self._after_call()
 
-    def _fetch_and_apply(self, group: int, flat: torch.Tensor) -> torch.Tensor:
+    def _fetch_and_apply(self, group: int, flat: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
         T, layers = flat.numel(), self.config.group_layers(group)
         plan, _ = self._buffer_layout.plan(group, flat)
         mine, local = self._local_of(flat)
@@ -281,7 +281,10 @@ class StripedPool(PoolFrame):
         torch.index_select(self._rows[layers.start : layers.stop].transpose(0, 1), 0, send_slots, out=send)
         self._collective("the all-gather of missed rows", _all_gather, gathered, send)
         self.bytes_received += exchange.wire_bytes(len(layers))
-        self._bytes_needed += remote * (len(layers) * self.config.entry.bytes_per_layer)
+        # A refused call (``status`` nonzero) gathers padding only: it needed nothing.
+        self._bytes_needed += torch.where(status == 0, remote, 0) * (
+            len(layers) * self.config.entry.bytes_per_layer
+        )
         self._buffer_layout.execute(plan, fetched=gathered, fetch_rows=fetch_rows)
         buffered = torch.where(plan.slots >= 0, self._offset + plan.slots, -1)
         return torch.where(mine, inner_slots, buffered)
