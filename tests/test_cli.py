@@ -27,9 +27,25 @@ def test_capacity_explains_its_assumptions_and_bytes(capsys, tmp_path) -> None:
         "buffers",
         "staging_slots",
         "H200 DP",
+        "pays: ",
+        "a DCP group of one rank",
+        "DCP: index keys",
+        "distinct tokens on all ranks",
     ):
         assert needle in out
+    for system in ("gpu_only", "cpu_offload", "dcp", "ulakv", "ulakv_local"):
+        assert f"    {system} " in out  # a row of the byte breakdown each
     assert figure.read_bytes().startswith(PNG)
+
+
+def test_capacity_table_compares_the_best_modes(capsys) -> None:
+    """Five systems a configuration; the ratio is ulakv's better mode over the best baseline."""
+    assert main(["plan", "--gpu", "h200", "--mode", "TP", "--spec", "off"]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[1:6] == ["gpu_only", "cpu_offload", "dcp", "ulakv", "ulakv_local"]
+    assert "best ulakv / best baseline" in header
+    n = [int(x) for x in row.split()[4:9]]
+    assert float(row.split()[-1].rstrip("x")) == pytest.approx(max(n[3:]) / max(n[:3]), abs=0.006)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ does not fit. A system admits a batch of ``N`` only if all three hold:
 - its GPU tensors fit the GPU budget and its CPU tensors the CPU budget;
 - one decode step's working set fits: the union of the ``N`` requests' selections in a layer group
   (3 query positions with speculative decoding) fits the pool's ``max_selection`` (ulakv: GPU slots
-  and staging rows; striped: the buffer, and each home's share; CPU offload: each request's quota).
+  and staging rows; striped: the buffer in fetch mode, and each home's share; CPU offload: each
+  request's quota).
 
 Systems (per GPU budgets are equal for all five):
 
@@ -789,7 +790,8 @@ class _Planner:
             n = _largest(fits)
             per_rank.append(n)
             last = tried.get(max(n, 1)) or feasible(stream, max(n, 1))
-            held += getattr(last.layout, "capacity", 0)  # a striped layout's counts every rank
+            if n:  # a striped layout's capacity counts every rank's homes
+                held += getattr(last.layout, "capacity", 0)
             if stream == 0:
                 first = last
                 why = (tried.get(n + 1) or feasible(stream, n + 1)).limit

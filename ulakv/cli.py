@@ -10,9 +10,11 @@ import sys
 from collections.abc import Sequence
 
 from .capacity import (
+    BASELINES,
     HARDWARE,
     MODELS,
     SYSTEMS,
+    ULAKV_MODES,
     Scenario,
     default_selection_shape,
     measure_selection_shape,
@@ -84,15 +86,13 @@ def run_capacity(args: argparse.Namespace) -> int:
         for what, value, source in common:
             print(f"  {what:28s} {value:40s} {source}")
         print()
-    header = f"{'config':22s} " + " ".join(f"{s:>12s}" for s in SYSTEMS) + "   ulakv / best baseline"
+    header = f"{'config':22s} " + " ".join(f"{s:>12s}" for s in SYSTEMS) + "   best ulakv / best baseline"
     print(header)
     for p in plans:
         sc = p.scenario
         name = f"{sc.hardware.name} {sc.mode} spec {'on' if sc.spec else 'off'}"
         n = {s: p.systems[s].admitted for s in SYSTEMS if s in p.systems}
-        best = max(n["gpu_only"], n["cpu_offload"])
-        ratio = f"{n['ulakv'] / best:.2f}x" if best else "inf"
-        print(f"{name:22s} " + " ".join(f"{n[s]:12d}" for s in n) + f"   {ratio:>10s}")
+        print(f"{name:22s} " + " ".join(f"{n[s]:12d}" for s in n) + f"   {_ratio(p):>10s}")
         if args.explain:
             for what, value, source in p.scenario.assumptions():
                 if (what, value, source) not in common:
@@ -101,8 +101,17 @@ def run_capacity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ratio(p) -> str:
+    """ulakv's best mode over the best baseline, in requests admitted."""
+    ours, theirs = p.best(ULAKV_MODES), p.best(BASELINES)
+    if ours is None or theirs is None:
+        return "-"
+    return "inf" if not theirs.admitted else f"{ours.admitted / theirs.admitted:.2f}x"
+
+
 def _explain(p) -> None:
-    """Bytes per GPU behind each number (GB)."""
+    """Bytes per GPU behind each number (GB), what each system pays, and where the ratio of the
+    best ulakv mode to the best baseline comes from."""
     sc = p.scenario
     print(
         f"    per GPU: {sc.hardware.hbm_bytes / 1e9:.0f} GB x static fraction {sc.mem_fraction_static} "
@@ -111,7 +120,7 @@ def _explain(p) -> None:
     )
     print(
         f"    {'GB a GPU':12s} {'KV homes':>8s} {'buffers':>8s} {'index':>8s} {'meta':>8s} {'CPU rows':>8s} "
-        f"{'staging':>8s}  what stops one more request; pools"
+        f"{'staging':>8s} {'M tokens':>8s}  what stops one more request; pools; what it pays"
     )
     for name, s in p.systems.items():
         b = s.bytes_per_gpu
@@ -120,10 +129,22 @@ def _explain(p) -> None:
             ranks = f" ({len(s.per_rank)} ranks: {min(s.per_rank)}-{max(s.per_rank)} each)"
         print(
             f"    {name:12s} {_gb(b.gpu_rows / 1e9)} {_gb(b.gpu_buffers / 1e9)} {_gb(b.gpu_index / 1e9)} "
-            f"{_gb(b.gpu_meta / 1e9)} {_gb(b.cpu_rows / 1e9)} {_gb(b.cpu_staging / 1e9)}  {s.limit}{ranks}"
+            f"{_gb(b.gpu_meta / 1e9)} {_gb(b.cpu_rows / 1e9)} {_gb(b.cpu_staging / 1e9)} "
+            f"{_gb(s.held / 1e6)}  {s.limit}{ranks}"
         )
         for pool in s.pools:
             print(f"    {'':12s} {pool}")
+        print(f"    {'':12s} pays: {s.pays}")
+    ours, theirs = p.best(ULAKV_MODES), p.best(BASELINES)
+    if ours is None or theirs is None or not theirs.held:
+        return
+    a, b = ours.bytes_per_gpu, theirs.bytes_per_gpu
+    print(
+        f"    {ours.system} / {theirs.system} = {_ratio(p)} the requests: their latent pools admit "
+        f"{ours.held / 1e6:.1f} M vs {theirs.held / 1e6:.1f} M distinct tokens on all ranks "
+        f"({ours.held / theirs.held:.2f}x; M tokens above); a GPU's KV rows: {a.gpu_rows / 1e9:.1f} GB GPU + "
+        f"{a.cpu_rows / 1e9:.1f} GB CPU vs {b.gpu_rows / 1e9:.1f} GB GPU + {b.cpu_rows / 1e9:.1f} GB CPU"
+    )
 
 
 # -- ulakv replay -------------------------------------------------------------------------------

@@ -11,9 +11,17 @@ from pathlib import Path
 SYSTEM_LABELS = {
     "gpu_only": "GPU only (SGLang)",
     "cpu_offload": "CPU offload (HiSparse)",
-    "ulakv": "ulakv",
+    "dcp": "decode context parallel (vLLM, SGLang)",
+    "ulakv": "ulakv (fetch)",
+    "ulakv_local": "ulakv (local)",
 }
-COLORS = {"gpu_only": "#9e9e9e", "cpu_offload": "#e08a3c", "ulakv": "#2f6db5"}
+COLORS = {
+    "gpu_only": "#9e9e9e",
+    "cpu_offload": "#e08a3c",
+    "dcp": "#5a9a4f",
+    "ulakv": "#2f6db5",
+    "ulakv_local": "#16386b",
+}
 
 
 def _pyplot():
@@ -33,21 +41,23 @@ def admitted_bars(rows: Sequence[dict], path: str | Path, title: str) -> None:
     configs = list(dict.fromkeys((r["gpu"], r["mode"], r["spec"]) for r in rows))
     systems = list(dict.fromkeys(r["system"] for r in rows))
     value = {(r["gpu"], r["mode"], r["spec"], r["system"]): r["admitted"] for r in rows}
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    width = 0.8 / len(systems)
+    fig, ax = plt.subplots(figsize=(12, 4.6))
+    width = 0.84 / len(systems)
     for j, system in enumerate(systems):
         xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(configs))]
         ys = [value[(*c, system)] for c in configs]
         bars = ax.bar(xs, ys, width, label=SYSTEM_LABELS.get(system, system), color=COLORS.get(system))
-        ax.bar_label(bars, fontsize=7, padding=1)
+        ax.bar_label(bars, fontsize=6, padding=1, rotation=90)
     ax.set_xticks(range(len(configs)))
     ax.set_xticklabels([f"{g} {m}\nspec {'on' if s else 'off'}" for g, m, s in configs], fontsize=8)
     ax.set_yscale("symlog", linthresh=1)  # log above 1, and a system that admits 0 still shows
+    ax.set_ylim(top=4 * max(value.values(), default=1))  # room for the labels above the bars
     ax.set_ylabel("admitted requests (8 GPUs, log scale)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, frameon=False)
+    # One row of systems under the axis: inside, it would cover the tallest bars.
+    ax.legend(fontsize=8, frameon=False, ncol=len(systems), loc="upper center", bbox_to_anchor=(0.5, -0.14))
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
     plt.close(fig)
 
 
