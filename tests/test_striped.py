@@ -31,20 +31,16 @@ from ulakv.spawn import run_ranks
 WIDTH = 12
 
 
-def striped_pool(rank: int, world: int, cpu: int, policy, gpu: int = 10, buffer: int = 14) -> Pool:
+def striped_pool(
+    rank: int, world: int, cpu: int, policy, gpu: int = 10, buffer: int = 14, attention: str = "fetch"
+) -> Pool:
+    inner = Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=ExactLRU())
+    if attention == "local":  # no buffer: nothing for its policy to run
+        layout = Striped(world=world, rank=rank, attention="local", inner=inner)
+    else:
+        layout = Striped(world=world, rank=rank, buffer_slots=buffer, policy=policy, inner=inner)
     return Pool(
-        PoolConfig(
-            entry=EntrySpec(bytes_per_layer=WIDTH),
-            num_layers=3,
-            layers_per_group=2,
-            layout=Striped(
-                world=world,
-                rank=rank,
-                buffer_slots=buffer,
-                policy=policy,
-                inner=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=ExactLRU()),
-            ),
-        )
+        PoolConfig(entry=EntrySpec(bytes_per_layer=WIDTH), num_layers=3, layers_per_group=2, layout=layout)
     )
 
 
@@ -52,9 +48,9 @@ def row_of(address: int, layer: int, version: int) -> torch.Tensor:
     return ((torch.arange(WIDTH) * 7 + address * 131 + layer * 29 + version * 13) % 251).to(torch.uint8)
 
 
-def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int) -> dict:
+def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int, attention: str) -> dict:
     policy = PBLRU(3) if policy_name == "pblru3" else ExactLRU()
-    pool = striped_pool(rank, world, cpu, policy)
+    pool = striped_pool(rank, world, cpu, policy, attention=attention)
     rng = random.Random(seed)  # the same on every rank: every rank runs the same batch
     expected: dict[tuple[int, int], torch.Tensor] = {}
     seqs, checked = [], 0
@@ -87,8 +83,9 @@ def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int) -> di
             for layer in pool.group_layers(group):
                 buf = pool.gpu_buffer(layer)
                 for a, s in zip(sel.flatten().tolist(), slots.flatten().tolist(), strict=True):
-                    assert (a < 0) == (s < 0)
-                    if a >= 0:
+                    # Local mode: slots of the entries homed here only, -1 for the others.
+                    assert (s >= 0) == (a >= 0 and (attention == "fetch" or a % world == rank))
+                    if s >= 0:
                         assert torch.equal(buf[s], expected[(layer, a)]), (
                             f"step {step} layer {layer} addr {a}"
                         )
@@ -109,24 +106,36 @@ def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int) -> di
     pool.check_invariants()
     full = pool.stats()
     pool.release(rest)
-    return {"checked": checked, "stats": stats, "full": full, "capacity": pool.capacity}
+    rows = pool.gpu_buffer(0).shape[0]
+    return {"checked": checked, "stats": stats, "full": full, "capacity": pool.capacity, "rows": rows}
 
 
 @pytest.mark.parametrize(
-    ("world", "cpu", "policy"),
-    [(2, 0, "lru"), (2, 9, "pblru3"), (4, 9, "lru"), (4, 0, "pblru3")],
-    ids=["w2-gpu-only-lru", "w2-tiered-pblru3", "w4-tiered-lru", "w4-gpu-only-pblru3"],
+    ("world", "cpu", "policy", "attention"),
+    [
+        (2, 0, "lru", "fetch"),
+        (2, 9, "pblru3", "fetch"),
+        (4, 9, "lru", "fetch"),
+        (4, 0, "pblru3", "fetch"),
+        (2, 9, "lru", "local"),
+    ],
+    ids=["w2-gpu-only-lru", "w2-tiered-pblru3", "w4-tiered-lru", "w4-gpu-only-pblru3", "local-w2-tiered"],
 )
-def test_striped_pool_under_random_traffic(world, cpu, policy) -> None:
-    results = run_ranks(_traffic, world, cpu, policy, world * 10 + cpu)
-    slice_capacity = 10 + cpu
+def test_striped_pool_under_random_traffic(world, cpu, policy, attention) -> None:
+    results = run_ranks(_traffic, world, cpu, policy, world * 10 + cpu, attention)
+    slice_capacity = 10 + cpu  # G + C: a slice's staging rows are not admitted into
     for r in results:
         assert r["checked"] > 0 and r["capacity"] == world * slice_capacity
         full = r["full"]
-        # Each rank homes exactly its share; one home per entry, no copies outside the buffers.
+        # Each rank homes exactly its share, one home per entry; copies only in a fetch buffer.
         assert full["live_addresses"] == world * slice_capacity
-        assert full["distinct_entries"] == full["physical_slots_used"] == 2 * slice_capacity  # 2 groups
-    assert sum(r["stats"]["bytes_communicated"] for r in results) > 0  # misses were fetched
+        assert full["distinct_entries"] == 2 * slice_capacity  # 2 groups
+        assert full["physical_slots_used"] == full["distinct_entries"] + full["buffer_slots_used"]
+        if attention == "local":
+            assert full["buffer_slots_used"] == 0  # distinct entries / physical slots = 1.0
+            assert r["rows"] == 10 + 1  # gpu_buffer: the slice's GPU slots and a dummy row, no buffer
+    wire = sum(r["stats"]["bytes_communicated"] for r in results)
+    assert wire > 0 if attention == "fetch" else wire == 0  # misses fetched; local mode moves no rows
 
 
 def _overwrite_buffered(rank: int, world: int) -> int:

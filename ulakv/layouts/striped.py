@@ -315,7 +315,8 @@ class StripedPool(PoolFrame):
 
     def stats(self) -> dict[str, int]:
         """This rank's counters (synchronises, and raises a refusal not raised yet): its slice
-        (``distinct_entries``, ``physical_slots_used``, tier traffic), its buffer in fetch mode
+        (``distinct_entries``, tier traffic), ``physical_slots_used`` (the slice's homes and, in
+        fetch mode, the buffer's copies: ``buffer_slots_used``), its buffer in fetch mode
         (``hits``/``misses`` of every selection, rows fetched), and the wire: ``bytes_communicated``
         received by the fetches' all-gathers, padding included, of which ``bytes_needed`` carried a
         miss homed elsewhere."""
@@ -333,11 +334,14 @@ class StripedPool(PoolFrame):
         }
         if self._buffer is not None:
             buffer = dict(zip(K.STAT_NAMES, self._buffer.stats.tolist(), strict=False))
-            free = int(self._buffer.gctl[:, int(K.G_GPU_FREE)].sum())
+            used = self.num_groups * self._buffer.gpu_slots - int(
+                self._buffer.gctl[:, int(K.G_GPU_FREE)].sum()
+            )
             out.update(
                 hits=buffer["hits"],
                 misses=buffer["misses"],
-                buffer_slots_used=self.num_groups * self._buffer.gpu_slots - free,
+                buffer_slots_used=used,
+                physical_slots_used=inner["physical_slots_used"] + used,
                 buffer_victims=buffer["victims"],
                 bytes_in=inner["bytes_in"] + self.bytes_received,
             )
