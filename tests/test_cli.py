@@ -1,6 +1,6 @@
 """The ulakv command: plan's explanations and figure, replay's table, JSON and figure, and the
-occupancy of real pools after a replay (ulakv 1.0, striped 1.0 over all ranks, Replicated 1/world,
-CPU offload below 1)."""
+occupancy of real pools after a replay (ulakv 1.0, striped local 1.0 over all ranks, striped fetch
+and CPU offload below 1, Replicated 1/world)."""
 
 from __future__ import annotations
 
@@ -105,9 +105,12 @@ def test_replay_occupancy_from_real_pools(replayed) -> None:
     offload = by["CPU offload"]
     assert 0 < offload["distinct_per_slot"] < 1
     assert offload["distinct_entries"] == by["ulakv (Tiered)"]["distinct_entries"]
-    striped = by["Striped (world 2)"]  # every rank's slice together: one home each
-    assert striped["distinct_per_slot"] == 1.0
-    assert striped["distinct_entries"] == by["ulakv (Tiered)"]["distinct_entries"]
+    local = by["Striped local (world 2)"]  # every rank's slice together: one home each, no copies
+    assert local["distinct_per_slot"] == 1.0
+    assert local["distinct_entries"] == by["ulakv (Tiered)"]["distinct_entries"]
+    fetch = by["Striped fetch (world 2)"]  # the same homes, and the buffers' copies of selections
+    assert fetch["distinct_entries"] == local["distinct_entries"]
+    assert 0 < fetch["distinct_per_slot"] < 1
 
 
 def test_replay_prints_a_table(capsys) -> None:

@@ -258,18 +258,18 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.striped_world > 1:
         from .spawn import run_ranks
 
-        ranks = run_ranks(_striped_replay, args.striped_world, trace, mid, args.buckets)
-        occupancy.append(
-            {
-                "layout": f"Striped (world {args.striped_world})",
-                "distinct_entries": sum(r["distinct"] for r in ranks),
-                "physical_slots": sum(r["physical"] for r in ranks),
-                "distinct_per_slot": round(
-                    sum(r["distinct"] for r in ranks) / sum(r["physical"] for r in ranks), 4
-                ),
-                "hit_rate": ranks[0]["hit_rate"],  # the buffer's, the same on every rank
-            }
-        )
+        for attention in ("fetch", "local"):
+            ranks = run_ranks(_striped_replay, args.striped_world, trace, mid, args.buckets, attention)
+            distinct, physical = sum(r["distinct"] for r in ranks), sum(r["physical"] for r in ranks)
+            occupancy.append(
+                {
+                    "layout": f"Striped {attention} (world {args.striped_world})",
+                    "distinct_entries": distinct,
+                    "physical_slots": physical,  # fetch: the buffers' copies too
+                    "distinct_per_slot": round(distinct / physical, 4),
+                    "hit_rate": ranks[0]["hit_rate"],  # fetch: the buffer's, the same on every rank
+                }
+            )
 
     if args.plot:
         from .plots import hit_rate_curves
@@ -301,16 +301,20 @@ def run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _striped_replay(rank: int, world: int, trace, buffer: int, buckets: int) -> dict:
+def _striped_replay(rank: int, world: int, trace, buffer: int, buckets: int, attention: str) -> dict:
     """One rank of a striped pool (tensor parallelism) replaying ``trace``: its slice holds a
-    ``1/world`` share of the history (GPU part: one step's working set; the rest on the CPU)."""
+    ``1/world`` share of the history (GPU part: one step's working set; the rest on the CPU); in
+    fetch mode a buffer of ``buffer`` slots beside it, in local mode none."""
     from .config import PBLRU, Striped, Tiered
     from .replay import replay
 
     total = sum(r.prompt_len + r.steps for r in trace.requests)
     share = -(-total // world) + len(trace.requests)
     inner = Tiered(gpu_slots=buffer, cpu_slots=share, policy=PBLRU(buckets))
-    layout = Striped(world=world, rank=rank, buffer_slots=buffer, policy=PBLRU(buckets), inner=inner)
+    if attention == "local":
+        layout = Striped(world=world, rank=rank, attention="local", inner=inner)
+    else:
+        layout = Striped(world=world, rank=rank, buffer_slots=buffer, policy=PBLRU(buckets), inner=inner)
     result = replay(trace, PBLRU(buckets), buffer, layout=layout)
     return {
         "hit_rate": result.hit_rate,
