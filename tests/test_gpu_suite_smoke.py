@@ -37,3 +37,4 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
     assert len(cases) == 4 and all(row["launches"] == 3 for row in results["prepare"])
     assert all(row["victims_per_step"] == 0 for row in results["prepare"] if row["case"] == "fits")
     assert results["graph"]["eager_us"] > 0
+    assert [row["attention"] for row in results["striped_graph"]] == ["fetch", "local"]
