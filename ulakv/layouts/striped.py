@@ -391,10 +391,11 @@ class StripedPool(PoolFrame):
             )
         if status & int(K.ST_HOME_LIMIT):
             if census is None:
+                carries = f", or more of them missing the buffer than a fetch carries ({lay.fetch_width})"
+                fetch = "" if self.local else carries
                 return CapacityError(
                     f"{what}: more distinct addresses homed on one rank than its slice may bring in at once "
-                    f"({lay.per_home_selection}), or more of them missing the buffer than a fetch carries "
-                    f"({lay.fetch_width}); nothing changed"
+                    f"({lay.per_home_selection}){fetch}; nothing changed"
                 )
             distinct, missing = census.distinct.tolist(), census.missing.tolist()
             worst = max(range(self.world), key=lambda r: distinct[r])
