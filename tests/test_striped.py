@@ -336,15 +336,16 @@ def test_tp_decoder_logits_equal_dense(mode, world, cpu) -> None:
 SPLIT_TOLERANCE = 2.0**-9
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_split_attention_is_one_device_attention_within_rounding(world) -> None:
+def test_split_attention_is_one_device_attention_within_rounding() -> None:
     spec, requests = tp_workload()
     model = TinyDecoder(spec)
     one = decode(model, DenseKV(spec, len(requests), 48), requests)
-    split = decode(model, DenseKV(spec, len(requests), 48, world=world), requests, forced=one.tokens)
-    assert len(split.logits) == len(one.logits) >= 32
-    worst = max(float((a - b).abs().max()) for a, b in zip(one.logits, split.logits, strict=True))
-    assert 0 < worst <= SPLIT_TOLERANCE  # rounding, not bits: the merge really reorders the sums
+    assert len(one.logits) >= 32
+    for world in (2, 4, 8):
+        split = decode(model, DenseKV(spec, len(requests), 48, world=world), requests, forced=one.tokens)
+        assert len(split.logits) == len(one.logits)
+        worst = max(float((a - b).abs().max()) for a, b in zip(one.logits, split.logits, strict=True))
+        assert 0 < worst <= SPLIT_TOLERANCE, world  # rounding, not bits: the merge really reorders
 
 
 def _striped_replay(rank: int, world: int) -> tuple[float, int, int]:
