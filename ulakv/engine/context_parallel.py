@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# ``all_gather_single`` where torch has it (2.13 deprecates the older name).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from ..layouts.row_exchange import all_gather
 
 
 def partial_attention(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +54,7 @@ def all_gather_partials(
     out_bytes = out.contiguous().view(-1).view(torch.uint8)
     packed = torch.cat([out_bytes, lse.contiguous().view(-1).view(torch.uint8)])
     gathered = packed.new_empty(world * packed.numel())
-    _all_gather(gathered, packed, group=group)
+    all_gather(gathered, packed, group=group)
     gathered = gathered.view(world, -1)
     outs = gathered[:, : out_bytes.numel()].contiguous().view(out.dtype).view(world, *out.shape)
     lses = gathered[:, out_bytes.numel() :].contiguous().view(lse.dtype).view(world, *lse.shape)

@@ -16,9 +16,15 @@ that carried a miss homed elsewhere, beside the wire's bytes.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..kernels import common as K
 from ..kernels._triton import triton
+
+# The one all-gather of equal parts into one flat tensor, for a fetch and for decode context
+# parallelism's partial outputs: ``all_gather_single`` where torch has it (2.13 deprecates the older
+# name).
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class RowExchange:

@@ -42,15 +42,11 @@ from ..kernels import common as K
 from ..kernels import release as release_mod
 from ..kernels.operands import detached, readable_indices
 from .census import Census, hand_to, take_census
-from .row_exchange import RowExchange
+from .row_exchange import RowExchange, all_gather
 from .tiered import TieredPool
 from .tiered_state import BufferState, TieredLayout
 
 _ids = itertools.count(1 << 20)
-
-# The all-gather of a fetch-mode prepare; ``all_gather_single`` where torch has it (2.13 deprecates
-# the older name).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class StripedPool(PoolFrame):
@@ -279,7 +275,7 @@ class StripedPool(PoolFrame):
         send, gathered = exchange.views(len(layers))
         # The rows of this home's misses, every layer of the group, gathered straight into send.
         torch.index_select(self._rows[layers.start : layers.stop].transpose(0, 1), 0, send_slots, out=send)
-        self._collective("the all-gather of missed rows", _all_gather, gathered, send)
+        self._collective("the all-gather of missed rows", all_gather, gathered, send)
         self.bytes_received += exchange.wire_bytes(len(layers))
         # A refused call (``status`` nonzero) gathers padding only: it needed nothing.
         self._bytes_needed += torch.where(status == 0, remote, 0) * (
