@@ -160,3 +160,37 @@ class LogicalAllocator:
             raise InvalidAddressError("give_back: addresses out of range, repeated, or already free")
         self._runs = merged
         self._free += count(back)
+
+
+class EngineAddresses:
+    """The books of a pool whose addresses the engine owns (``PoolConfig.engine_addresses``).
+
+    Which addresses are live is device state only (the mapping: ``FREE`` or not), changed by the
+    engine's ``admit_addresses``/``release_addresses`` without the host reading anything back; a
+    device counter holds how many are live, so admission is refused beyond ``capacity``. Reading the
+    count (``free``, ``free_runs``) synchronises: stats and invariant checks only.
+    """
+
+    def __init__(self, capacity: int, mapping: torch.Tensor) -> None:
+        self.capacity = capacity
+        self._mapping = mapping
+        self.live = torch.zeros(1, dtype=torch.int64, device=mapping.device)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - int(self.live[0])
+
+    def free_runs(self) -> list[range]:
+        """Addresses not live in group 0, as runs (the invariant check compares every group and the
+        live count against them)."""
+        if self._mapping.device.type == "meta":
+            return []
+        free = (self._mapping[0] == FREE).cpu()
+        edges = torch.diff(
+            free.to(torch.int8),
+            prepend=torch.zeros(1, dtype=torch.int8),
+            append=torch.zeros(1, dtype=torch.int8),
+        )
+        starts = torch.nonzero(edges == 1).flatten().tolist()
+        stops = torch.nonzero(edges == -1).flatten().tolist()
+        return [range(a, b) for a, b in zip(starts, stops, strict=True)]

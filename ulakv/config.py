@@ -321,6 +321,17 @@ class PoolConfig:
     addresses at once (one device sync); ``None`` means yes on CPU, where reading it costs no sync,
     and no on CUDA, where errors are recorded on the device and raised by the next synchronising call
     (``stats``, ``read``, ``check``). ``ULAKV_DEBUG=1`` forces validation and invariant checks.
+
+    ``engine_addresses`` hands the logical addresses to the engine (SGLang's token ``loc``, vLLM's slot
+    ids): addresses are the ints ``[0, engine_addresses)``, which the engine makes live with
+    ``admit_addresses`` and gives back with ``release_addresses`` (at most ``layout.capacity`` live at
+    once), and the pool's own ``admit``/``extend``/``release`` are refused. ``None`` (the default):
+    the pool hands out addresses itself. Tiered and Replicated layouts only.
+
+    ``page_size`` rounds each layer's GPU rows (the slots and the dummy row) up to a multiple of it,
+    so ``paged_buffer(layer)`` views them as a paged KV cache ``[pages, page_size, 1, bytes]`` with no
+    copy (FlashMLA's sparse kernels: 64). The extra rows are never handed out. Tiered and Replicated
+    layouts only.
     """
 
     entry: EntrySpec
@@ -329,6 +340,8 @@ class PoolConfig:
     layers_per_group: int = 1
     device: str | torch.device = "cpu"
     validate: bool | None = None
+    engine_addresses: int | None = None
+    page_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.entry, EntrySpec):
@@ -351,6 +364,23 @@ class PoolConfig:
             raise ConfigError(f"PoolConfig.device must be cpu, cuda or meta, got {device}")
         if self.validate is not None and not isinstance(self.validate, bool):
             raise ConfigError(f"PoolConfig.validate must be None or a bool, got {self.validate!r}")
+        _check_int("PoolConfig.page_size", self.page_size, 1)
+        if self.page_size > 1 and not isinstance(self.layout, (Tiered, Replicated)):
+            raise ConfigError(
+                f"PoolConfig.page_size needs a Tiered or Replicated layout, got {type(self.layout).__name__}"
+            )
+        if self.engine_addresses is not None:
+            _check_int("PoolConfig.engine_addresses", self.engine_addresses, 1)
+            if not isinstance(self.layout, (Tiered, Replicated)):
+                raise ConfigError(
+                    "PoolConfig.engine_addresses needs a Tiered or Replicated layout (an engine-owned "
+                    f"address space per rank), got {type(self.layout).__name__}"
+                )
+            if self.engine_addresses >= 2**31:
+                raise ConfigError(
+                    "PoolConfig.engine_addresses must be < 2**31 (int32 positions), "
+                    f"got {self.engine_addresses}"
+                )
 
     @property
     def torch_device(self) -> torch.device:

@@ -72,6 +72,8 @@ ST_TOO_LARGE = tl.constexpr(4)
 # Set by a striped pool (never by a kernel) before planning: one home's share of the selection is
 # more than its slice may bring in, or more of it misses the buffer than a fetch carries from a rank.
 ST_HOME_LIMIT = tl.constexpr(8)
+# Set by ``admit_addresses`` (engine-owned addresses): more addresses would be live than the pool holds.
+ST_FULL = tl.constexpr(16)
 
 # Per-element flags written by the lookup.
 F_FIRST = tl.constexpr(1)  # first occurrence of its address in the call (the one that acts)

@@ -44,18 +44,22 @@ def release_kernel(
     n_levels,
     stamp_ptr,
     R,
+    ctl_ptr,
     POLICY: tl.constexpr,
+    CHECKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     ar = tl.arange(0, BLOCK)
+    if CHECKED:  # engine-owned addresses: a call the check refused frees nothing
+        n = tl.where(tl.load(ctl_ptr + K.E_LAST_STATUS) == 0, n, 0)
     for g in range(num_groups):
         row = gctl_ptr + g * K.GCTL_WORDS
         gpu_top = tl.load(row + K.G_GPU_FREE)
         cpu_top = tl.load(row + K.G_CPU_BOT) + tl.load(row + K.G_CPU_FREE)  # past the free list's top
         cpu_count = tl.load(row + K.G_CPU_FREE)
         for i0 in range(0, n, BLOCK):
-            im = i0 + ar < n
-            a = tl.load(addr_ptr + i0 + ar, mask=im, other=0).to(tl.int64)
+            a = tl.load(addr_ptr + i0 + ar, mask=i0 + ar < n, other=-1).to(tl.int64)
+            im = (i0 + ar < n) & (a >= 0)  # -1: padding (engine-owned addresses)
             h = tl.load(map_ptr + g * N + a, mask=im, other=K.M_UNHOMED)
             on_gpu = im & (h >= 0) & (h < G)
             on_cpu = im & (h >= G)
@@ -82,8 +86,10 @@ def release_kernel(
         tl.store(row + K.G_CPU_FREE, cpu_count)
 
 
-def release(addrs, state) -> int:
-    """Free ``addrs`` in every group of ``state`` (a ``TieredState``); returns launches."""
+def release(addrs, state, checked: bool = False) -> int:
+    """Free ``addrs`` in every group of ``state`` (a ``TieredState``; ``-1``: padding); returns
+    launches. ``checked``: only if the status word of the check just before is 0 (engine-owned
+    addresses, ``ulakv.kernels.engine_addresses``)."""
     n = addrs.numel()
     if n == 0:
         return 0
@@ -108,14 +114,18 @@ def release(addrs, state) -> int:
         state.levels.numel() - 1,
         state.stamp,
         state.num_buckets,
+        state.ctl,
         POLICY=state.policy,
+        CHECKED=checked,
         BLOCK=BLOCK,
     )
     return 1
 
 
-def release_reference(addrs, state) -> None:
+def release_reference(addrs, state, checked: bool = False) -> None:
     """Plain-Python twin of :func:`release`: address by address, group by group, the same stacks."""
+    if checked and int(state.ctl[int(K.E_LAST_STATUS)]) != 0:
+        return
     G = state.gpu_slots
     for g in range(state.num_groups):
         bitmaps = PBLRUBits(state, g) if state.policy == K.PBLRU else None
@@ -124,6 +134,8 @@ def release_reference(addrs, state) -> None:
         cpu_count = int(state.gctl[g, int(K.G_CPU_FREE)])
         cpu_top = int(state.gctl[g, int(K.G_CPU_BOT)]) + cpu_count
         for a in addrs.tolist():
+            if a == -1:
+                continue
             h = int(state.mapping[g, a])
             if 0 <= h < G:
                 state.gpu_free[g, gpu_top] = h

@@ -13,13 +13,14 @@ import itertools
 
 import torch
 
-from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, runs_of
+from ..address_space import UNHOMED, EngineAddresses, LogicalAllocator, Sequence, addresses_on, runs_of
 from ..config import PoolConfig, Replicated
 from ..deferred import DeferredStatus
-from ..errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
+from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError, UlakvError
 from ..frame import PoolFrame, Selection, debug_enabled, validates
 from ..invariants import PlanSnapshot, check_invariants, check_plan, snapshot_plan
 from ..kernels import common as K
+from ..kernels import engine_addresses as engine_mod
 from ..kernels.operands import readable_indices
 from ..transfer import Phase, PlanInterrupted, TransferPlan
 from .tiered_state import TieredLayout, TieredState
@@ -53,9 +54,25 @@ class TieredPool(PoolFrame):
         layout = config.layout
         self._replicas = layout.world if isinstance(layout, Replicated) else 1
         self._storage = config.replace(layout=layout.storage) if isinstance(layout, Replicated) else config
-        self._state = TieredState.allocate(self._storage, gpu_data=_gpu_data)
+        self._paged: torch.Tensor | None = None  # [layers, pages x page_size, bytes] when paged
+        if config.page_size > 1 and _gpu_data is None and self.device.type != "meta":
+            G, page = self._storage.layout.gpu_slots, config.page_size
+            rows = -(-(G + 1) // page) * page
+            self._paged = torch.zeros(
+                (config.num_layers, rows, config.entry.bytes_per_layer), dtype=torch.uint8, device=self.device
+            )
+            _gpu_data = self._paged[:, : G + 1]
+        self._state = TieredState.allocate(
+            self._storage, gpu_data=_gpu_data, addresses=config.engine_addresses
+        )
         self._layout = TieredLayout(self._storage, self._state)
-        self._allocator = LogicalAllocator(config.layout.capacity)
+        # Who hands out addresses: the pool (host runs), or the engine (device books, no read-back).
+        self._engine: EngineAddresses | None = None
+        if config.engine_addresses is not None:
+            self._engine = EngineAddresses(config.layout.capacity, self._state.mapping)
+            self._allocator = self._engine
+        else:
+            self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
         self._deferred = DeferredStatus(self._state.ctl)  # refusals of non-validating calls
         # The plan planned last and not yet run to the end: the plan kernel has already taken its
@@ -73,6 +90,18 @@ class TieredPool(PoolFrame):
         self._check_layer(layer)
         return self._state.gpu_data[layer]
 
+    def paged_buffer(self, layer: int) -> torch.Tensor:
+        """uint8 ``[pages, page_size, 1, bytes_per_layer]``: ``gpu_buffer(layer)`` and the rows that
+        round it up to whole pages (``PoolConfig.page_size``), as a paged KV cache whose token index is
+        the slot (FlashMLA's sparse decode reads ``indices`` = slots, ``-1`` skipped). View the bytes as
+        the engine's dtype with ``.view(...)``; rows past ``gpu_slots + 1`` are never written."""
+        self._check_layer(layer)
+        page = self.config.page_size
+        rows = self._paged[layer] if self._paged is not None else self._state.gpu_data[layer]
+        if rows.shape[0] % page:
+            raise InvalidInputError(f"paged_buffer: {rows.shape[0]} rows are not whole pages of {page}")
+        return rows.view(rows.shape[0] // page, page, 1, rows.shape[1])
+
     def reserve_scratch(self, elements: int) -> None:
         """Size the per-call scratch for selections of up to ``elements`` elements now and keep it
         (for CUDA-graph capture: the captured kernels point at it); larger calls, such as a long
@@ -81,10 +110,17 @@ class TieredPool(PoolFrame):
             raise InvalidInputError(f"reserve_scratch: elements must be a positive int, got {elements!r}")
         self._layout.reserve(elements)
 
+    @property
+    def address_space(self) -> int:
+        """Addresses are the ints ``[0, address_space)``: ``capacity`` for a pool that hands them
+        out, ``PoolConfig.engine_addresses`` for one whose engine owns them."""
+        return self._state.num_addresses
+
     # -- admission -------------------------------------------------------------------------------
     def admit(self, num_tokens: int) -> Sequence:
         """A new request of ``num_tokens`` tokens; raises CapacityError and changes nothing if the
         pool cannot hold them."""
+        self._pool_owned("admit")
         self._finish_pending()
         taken = self._allocator.take(num_tokens)
         seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
@@ -94,6 +130,7 @@ class TieredPool(PoolFrame):
 
     def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
         """Append ``num_tokens`` tokens to ``seq``; returns their addresses."""
+        self._pool_owned("extend")
         self._check_seq(seq)
         self._finish_pending()
         new = self._home(seq, self._allocator.take(num_tokens))
@@ -109,6 +146,7 @@ class TieredPool(PoolFrame):
 
     def release(self, seq: Sequence) -> None:
         """Return every address and slot of ``seq`` in every group."""
+        self._pool_owned("release")
         self._check_seq(seq)
         self._release_addresses(seq._runs, seq.addresses)
         seq.released = True  # before the debug check: a failed check must not invite a second release
@@ -122,6 +160,64 @@ class TieredPool(PoolFrame):
         if self._allocator.free == self._allocator.capacity:
             # No request left: put the policy back in its fresh state (invariant 6, exactly).
             self._state.reset_residency()
+
+    def _pool_owned(self, what: str) -> None:
+        if self._engine is not None:
+            raise InvalidInputError(
+                f"{what}: this pool's addresses belong to the engine (PoolConfig.engine_addresses); "
+                "use admit_addresses / release_addresses"
+            )
+
+    # -- engine-owned addresses --------------------------------------------------------------------
+    def admit_addresses(self, addrs: torch.Tensor) -> None:
+        """Make the engine's addresses ``addrs`` (int32/int64 ``[n]`` on the pool's device, ``-1``
+        padding) live in every group, with no home until written or selected. Refused, changing
+        nothing, if one is out of ``[0, address_space)``, already live, given twice, or if more than
+        ``capacity`` would be live. Checked on the device with no host sync: a pool that does not
+        validate raises the refusal at a later call (``ulakv.deferred``), like a refused ``prepare``."""
+        self._engine_call("admit_addresses", addrs, admit=True)
+
+    def release_addresses(self, addrs: torch.Tensor) -> None:
+        """Give back the engine's addresses ``addrs`` (``-1`` padding): their homes are freed in every
+        group and they are no longer live. Refused, changing nothing, if one is out of range, not
+        live, or given twice. An address shared by several requests (a cached prefix) is one entry:
+        the engine gives it back once, when its own allocator frees it."""
+        self._engine_call("release_addresses", addrs, admit=False)
+
+    def _engine_call(self, what: str, addrs: torch.Tensor, admit: bool) -> None:
+        if self._engine is None:
+            raise InvalidInputError(
+                f"{what}: this pool hands out its own addresses; set PoolConfig.engine_addresses to let "
+                "the engine own them"
+            )
+        self._need_kernels(what)
+        self._check_addresses(what, addrs)
+        if addrs.dim() != 1:
+            raise InvalidInputError(f"{what}: addrs must be 1-D, got shape {tuple(addrs.shape)}")
+        self._check_device(f"{what}: addrs", addrs)
+        self._raise_refused()
+        self._finish_pending()
+        if addrs.numel() == 0:
+            return
+        flat = readable_indices(addrs)
+        self._launches += engine_mod.engine_addresses(
+            flat, self._state, self._engine.live, self._engine.capacity, admit
+        )
+        if not admit:
+            self._launches += self._layout.release(flat, checked=True)
+        self._settle(what)
+        self._after_call()
+
+    def _settle(self, what: str) -> None:
+        """After a call whose kernels wrote its status: raise it now (validating) or let a later call
+        raise it (``ulakv.deferred``)."""
+        if self._validate:
+            status = int(self._state.ctl[int(K.E_LAST_STATUS)])
+            if status:
+                self._state.ctl[int(K.E_PENDING)] = 0
+                raise self._status_error(what, status, None)
+        elif not self._owned:
+            self._deferred.publish()
 
     def _take_exact(self, addresses: list[range]) -> None:
         """Admit exactly ``addresses`` (runs), which must be the lowest free ones (a striped pool's
@@ -305,6 +401,13 @@ class TieredPool(PoolFrame):
         self._need_kernels("check_invariants")
         self._finish_pending()
         check_invariants(self._state, self._allocator, self.config.group_layers)
+        if self._engine is not None:
+            live = self.address_space - sum(len(r) for r in self._engine.free_runs())
+            if live != int(self._engine.live[0]):
+                raise InvariantError(
+                    f"engine addresses: {live} live in the mapping, the count says "
+                    f"{int(self._engine.live[0])}"
+                )
 
     def _after_call(self) -> None:
         """Under ``ULAKV_DEBUG=1``, check the whole state first (``PoolFrame._after_call``). Then, if
@@ -324,6 +427,8 @@ class TieredPool(PoolFrame):
             stats=st.stats.clone(),
             pending=st.ctl[int(K.E_PENDING)].clone(),
         )
+        if self._engine is not None:
+            out["engine_live"] = self._engine.live.clone()
         return out
 
     # -- checks ----------------------------------------------------------------------------------
@@ -353,11 +458,18 @@ class TieredPool(PoolFrame):
                 bad = (plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
                 offenders = flat[bad][:5].tolist()
                 detail = f": {offenders}"
+            state = "live already" if what == "admit_addresses" else "not live"
             return InvalidAddressError(
-                f"{what}: addresses out of range [0, {self.capacity}) or not live{detail}; nothing changed"
+                f"{what}: addresses out of range [0, {self.address_space}) or {state}{detail}; "
+                "nothing changed"
             )
         if status & int(K.ST_DUPLICATE):
             return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
+        if status & int(K.ST_FULL):
+            return CapacityError(
+                f"{what}: more than the {self.capacity} addresses the pool holds would be live; "
+                "nothing changed"
+            )
         if status & int(K.ST_TOO_LARGE):
             layout = self._storage.layout
             return CapacityError(
@@ -368,8 +480,8 @@ class TieredPool(PoolFrame):
         return UlakvError(f"{what}: failed with status {status}; nothing changed")
 
     def _check_live(self, what: str, addrs: torch.Tensor) -> None:
-        in_range = (addrs >= 0) & (addrs < self.capacity)
+        in_range = (addrs >= 0) & (addrs < self.address_space)
         if not bool(in_range.all()):
-            raise InvalidAddressError(f"{what}: addresses out of range [0, {self.capacity})")
+            raise InvalidAddressError(f"{what}: addresses out of range [0, {self.address_space})")
         if bool((self._state.mapping[0, addrs] == -1).any()):
             raise InvalidAddressError(f"{what}: addresses not live (released or never admitted)")

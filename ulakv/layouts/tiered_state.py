@@ -455,8 +455,8 @@ class TieredLayout:
         launches += self.execute(plan)
         return plan.slots, launches
 
-    def release(self, addrs: torch.Tensor) -> int:
-        return release_mod.release(addrs, self.state)
+    def release(self, addrs: torch.Tensor, checked: bool = False) -> int:
+        return release_mod.release(addrs, self.state, checked)
 
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
         st = self.state

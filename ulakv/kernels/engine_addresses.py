@@ -1,0 +1,142 @@
+"""Engine-owned addresses: make addresses an engine chose live, or check the ones it gives back.
+
+An engine that allocates token slots itself (SGLang's ``loc``, vLLM's slot ids) uses them as ulakv's
+logical addresses. Each decode step it makes its new tokens' addresses live, from a device tensor it
+never reads back, so the check runs on the device and a refusal is a status word, as for ``prepare``
+(``ulakv.deferred``): nothing changes unless every address passes.
+
+One program walks the addresses in blocks, three passes with a barrier between them:
+
+1. range and liveness: an address out of ``[0, N)`` (``-1`` is padding), one already live (admit) or
+   not live (release) fails the call; each address stamps its position into ``claim[address]``;
+2. duplicates: an address whose stamp is not its own position appears twice (the later stamp won);
+3. only if all passed: admit marks the addresses live (``UNHOMED``) in every group and adds them to
+   the live count; release subtracts them (``ulakv.kernels.release`` frees their homes after, and
+   reads the status this kernel wrote to skip a refused call).
+
+One program because the three passes must see each other's stores (a barrier orders one program's
+threads only) and the work is small: a decode step admits ``batch`` addresses (<= 256: one block of
+1024), a prefill chunk some thousands (a few blocks per pass). The stamps go into the lookup's
+``claim`` array (int64 per address), so an engine-owned pool needs no scratch of its own: pass 2 reads
+only stamps pass 1 wrote in the same call, and a stamp (a position, below 2**31) carries epoch 0,
+which no lookup's claim key (``epoch << 32 | ...``, epoch >= 1) mistakes for one of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import common as K
+from ._triton import tl, triton
+
+BLOCK = 1024
+
+
+# Not specialised: n (varies per call), N, capacity, num_groups (pool constants feeding no vectorised
+# access) and the caller's address alignment. ADMIT, BLOCK: constexprs (two variants in all).
+@triton.jit(
+    do_not_specialize=["n", "N", "capacity", "num_groups"], do_not_specialize_on_alignment=["addr_ptr"]
+)
+def engine_addresses_kernel(
+    addr_ptr,
+    n,
+    map_ptr,
+    N,
+    num_groups,
+    claim_ptr,
+    live_ptr,
+    capacity,
+    ctl_ptr,
+    ADMIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    ar = tl.arange(0, BLOCK)
+    bad = tl.zeros((), tl.int32)
+    count = tl.zeros((), tl.int64)
+    for i0 in range(0, n, BLOCK):
+        i = i0 + ar
+        im = i < n
+        a = tl.load(addr_ptr + i, mask=im, other=-1).to(tl.int64)
+        inr = im & (a >= 0) & (a < N)
+        h = tl.load(map_ptr + a, mask=inr, other=K.M_FREE)
+        if ADMIT:
+            wrong = inr & (h != K.M_FREE)
+        else:
+            wrong = inr & (h == K.M_FREE)
+        outside = im & (a != -1) & ~inr
+        bad += tl.sum((wrong | outside).to(tl.int32), axis=0)
+        tl.store(claim_ptr + a, i, mask=inr)
+        count += tl.sum(inr.to(tl.int64), axis=0)
+    tl.debug_barrier()
+    dup = tl.zeros((), tl.int32)
+    for i0 in range(0, n, BLOCK):
+        i = i0 + ar
+        im = i < n
+        a = tl.load(addr_ptr + i, mask=im, other=-1).to(tl.int64)
+        inr = im & (a >= 0) & (a < N)
+        stamp = tl.load(claim_ptr + a, mask=inr, other=-1)
+        dup += tl.sum((inr & (stamp != i)).to(tl.int32), axis=0)
+    live = tl.load(live_ptr)
+    status = tl.where(bad > 0, K.ST_BAD_ADDRESS, 0) | tl.where(dup > 0, K.ST_DUPLICATE, 0)
+    if ADMIT:
+        status = status | tl.where(live + count > capacity, K.ST_FULL, 0)
+    status = status.to(tl.int64)
+    tl.debug_barrier()
+    if status == 0:
+        if ADMIT:
+            for g in range(num_groups):
+                for i0 in range(0, n, BLOCK):
+                    i = i0 + ar
+                    im = i < n
+                    a = tl.load(addr_ptr + i, mask=im, other=-1).to(tl.int64)
+                    inr = im & (a >= 0) & (a < N)
+                    tl.store(map_ptr + g * N + a, tl.full((BLOCK,), K.M_UNHOMED, tl.int32), mask=inr)
+            tl.store(live_ptr, live + count)
+        else:
+            tl.store(live_ptr, live - count)
+    tl.store(ctl_ptr + K.E_LAST_STATUS, status)
+    tl.store(ctl_ptr + K.E_PENDING, tl.load(ctl_ptr + K.E_PENDING) | status)
+
+
+def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: int, admit: bool) -> int:
+    """Check ``addrs`` (packed int32/int64 ``[n]``, -1 padding) against ``state`` (a ``TieredState``)
+    and, if they pass, make them live (``admit``; at most ``capacity`` live at once) or count them out
+    (release); the status lands in ``state.ctl``. ``live`` is int64 ``[1]``. Returns launches."""
+    engine_addresses_kernel[(1,)](
+        addrs,
+        addrs.numel(),
+        state.mapping,
+        state.num_addresses,
+        state.num_groups,
+        state.claim,
+        live,
+        capacity,
+        state.ctl,
+        ADMIT=admit,
+        BLOCK=BLOCK,
+    )
+    return 1
+
+
+def engine_addresses_reference(
+    addrs: torch.Tensor, state, live: torch.Tensor, capacity: int, admit: bool
+) -> None:
+    """Plain-Python twin of :func:`engine_addresses` (a set finds the duplicates; no stamps)."""
+    N = state.num_addresses
+    given = [a for a in addrs.tolist() if a != -1]
+    bad = any(not 0 <= a < N for a in given)
+    inside = [a for a in given if 0 <= a < N]
+    is_free = [int(state.mapping[0, a]) == int(K.M_FREE) for a in inside]
+    bad = bad or any(f != admit for f in is_free)  # admit wants free addresses, release live ones
+    status = int(K.ST_BAD_ADDRESS) if bad else 0
+    if len(set(inside)) != len(inside):
+        status |= int(K.ST_DUPLICATE)
+    if admit and int(live[0]) + len(inside) > capacity:
+        status |= int(K.ST_FULL)
+    if status == 0:
+        if admit:
+            for a in inside:
+                state.mapping[:, a] = int(K.M_UNHOMED)
+        live[0] += len(inside) if admit else -len(inside)
+    state.ctl[int(K.E_LAST_STATUS)] = status
+    state.ctl[int(K.E_PENDING)] |= status
