@@ -11,6 +11,7 @@ from .errors import (
     InvariantError,
     UlakvError,
 )
+from .kernels.compact import compact_slots
 from .pool import Pool, Selection
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "Striped",
     "Tiered",
     "UlakvError",
+    "compact_slots",
 ]
