@@ -18,7 +18,14 @@ $(BIN)/.ready: pyproject.toml
 demo: $(BIN)/.ready
 	$(BIN)/ulakv demo
 
-test: $(BIN)/.ready
+# The pinned SGLang wheel's source, read by the adapter's conformance tests: fetched once, before the
+# suite, so that parallel test workers do not all download it (needs PyPI the first time).
+SGLANG_READY := $(or $(ULAKV_SGLANG_CACHE),.cache/sglang-0.5.23)/.ready
+
+$(SGLANG_READY): | $(BIN)/.ready
+	$(BIN)/python -m ulakv.integrations.sglang.wheel
+
+test: $(BIN)/.ready $(SGLANG_READY)
 	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 lint: $(BIN)/.ready

@@ -184,6 +184,13 @@ class TieredPool(PoolFrame):
         the engine gives it back once, when its own allocator frees it."""
         self._engine_call("release_addresses", addrs, admit=False)
 
+    def live_addresses(self) -> torch.Tensor:
+        """int64 ``[live]``: the live addresses, ascending (reads the mapping back: a sync; for an
+        engine that clears its whole cache, and for tests)."""
+        self._need_kernels("live_addresses")
+        self._finish_pending()
+        return torch.nonzero(self._state.mapping[0] != -1).flatten()
+
     def _engine_call(self, what: str, addrs: torch.Tensor, admit: bool) -> None:
         if self._engine is None:
             raise InvalidInputError(

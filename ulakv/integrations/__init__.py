@@ -1,0 +1,1 @@
+"""Adapters that plug ulakv into serving engines."""
