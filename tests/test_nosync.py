@@ -24,7 +24,7 @@ from nosync import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ulakv.layouts.tiered
-from ulakv import CapacityError, EntrySpec, ExactLRU, Pool, PoolConfig, Striped, Tiered
+from ulakv import CapacityError, EntrySpec, ExactLRU, InvalidAddressError, Pool, PoolConfig, Striped, Tiered
 from ulakv.spawn import run_ranks
 
 aten = torch.ops.aten
@@ -401,3 +401,30 @@ def test_striped_prepare_and_write_do_not_sync(attention: str) -> None:
     assert all(r["checked"] > 0 and r["misses"] > 0 for r in results)
     assert all(r["refused"] == [[-1] * 6] for r in results)  # a refused call's slots
     assert results[0]["error"] == results[1]["error"]  # the same refusal on every rank
+
+
+@skip_under_debug
+def test_engine_owned_addresses_do_not_sync() -> None:
+    """An engine's decode step without validation (the CUDA default): make the new tokens' slots live,
+    write them, select them, give some back, and refuse a slot live twice, all under the detector; the
+    refusal changes nothing and is raised by the next call."""
+    config = _config(Tiered(gpu_slots=4, cpu_slots=8, policy=ExactLRU())).replace(
+        engine_addresses=32, validate=False
+    )
+    pool = Pool(config)
+    locs = torch.tensor([9, 3, -1, 17])
+    rows = torch.arange(4 * WIDTH, dtype=torch.uint8).view(4, WIDTH)
+    with no_host_sync():
+        pool.admit_addresses(locs)
+        for layer in range(LAYERS):
+            pool.write(layer, locs, rows)
+        sel = pool.prepare(0, locs.view(1, -1))
+        pool.release_addresses(torch.tensor([3, -1]))
+        pool.admit_addresses(torch.tensor([9]))  # live already: refused on the device
+    assert pool.state_dict()["engine_live"].tolist() == [2]
+    with pytest.raises(InvalidAddressError, match="live already"):
+        pool.admit_addresses(torch.tensor([5]))
+    for a, slot in zip(locs.tolist(), sel.slots.flatten().tolist(), strict=True):
+        assert (slot == -1) == (a == -1)
+    assert torch.equal(pool.gpu_buffer(0)[sel.slots.flatten()[[0, 3]].long()], rows[[0, 3]])
+    pool.check_invariants()

@@ -446,7 +446,12 @@ class TieredPool(PoolFrame):
             status = self._deferred.take()
             if status:
                 raise self._status_error(
-                    "an earlier prepare or write (refused: its slots were -1)", status, None
+                    "an earlier prepare or write (refused: its slots were -1)"
+                    if self._engine is None
+                    else "an earlier prepare, write, admit_addresses or release_addresses (refused: a "
+                    "prepare's slots were -1)",
+                    status,
+                    None,
                 )
 
     def _raise_if_failed(self, what: str, plan: TransferPlan) -> None:
@@ -465,7 +470,11 @@ class TieredPool(PoolFrame):
                 bad = (plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
                 offenders = flat[bad][:5].tolist()
                 detail = f": {offenders}"
-            state = "live already" if what == "admit_addresses" else "not live"
+            state = "not live"
+            if what == "admit_addresses":
+                state = "live already"
+            elif what.startswith("an earlier") and self._engine is not None:
+                state = "not live (admit_addresses: live already)"
             return InvalidAddressError(
                 f"{what}: addresses out of range [0, {self.address_space}) or {state}{detail}; "
                 "nothing changed"
