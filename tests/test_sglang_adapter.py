@@ -280,3 +280,23 @@ def test_lifecycle_calls_follow_sglangs_order(transform):
     engine.start(12)  # 12 tokens: 8 on the GPU, 4 evicted to the CPU by the writes
     stats = coord.get_token_stats()
     assert stats.device_tokens + stats.host_tokens == 12 and stats.device_tokens == 8
+
+
+def test_coordinator_bounds_grow_to_speculative_verify(transform):
+    """The KV pool is built before SGLang says how many draft tokens verify sends; the coordinator
+    grows the store's step buffers to ``[B, Q, K]`` before the first step."""
+    store = SGLangStore(
+        StoreConfig(layers=1, bytes_per_token=BYTES, device_tokens=16, logical_tokens=40, top_k=4)
+    )
+    assert store.kv.max_queries == 1
+    store.bound(max_queries=3, top_k=4)
+    assert (store.kv.max_queries, store.kv.top_k) == (3, 4)
+    engine = Engine(store, slots=2, context=16, seed=5)
+    slot = engine.start(10)
+    coord = UlakvSparseCoordinator.from_store(
+        store, engine.req_to_token, 4, transform.transform_index_page_table_decode
+    )
+    topk = engine.topk([slot], 3, 4)
+    coord.num_real_reqs.fill_(1)
+    out = coord.swap_in_selected_pages(torch.tensor([slot]), torch.tensor([10, 10, 10]), topk, 0)
+    check_read(store, engine, out, [slot], topk, 0)

@@ -98,6 +98,7 @@ class UlakvSparseCoordinator:
         ``host_to_device_ratio`` and ``swap_in_block_size`` size HiSparse's own buffers and have no
         counterpart; ``shared_index_layers`` is served by the pool's layer groups."""
         store = token_to_kv_pool_allocator.get_kvcache().ulakv_store
+        store.bound(max_queries=max(num_draft_tokens, 1), top_k=top_k)  # speculative verify: [B, Q, K]
         self._setup(store, req_to_token_pool.req_to_token, top_k, sglang_transform())
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator

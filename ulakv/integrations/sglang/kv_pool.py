@@ -137,16 +137,16 @@ class UlakvKVPoolMixin:
     def set_mla_kv_buffer(
         self, layer: Any, loc_info: Any, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
     ) -> None:
-        """Pack the new tokens' rows with SGLang's writer into scratch (rows 0..n-1), then store them
-        as bytes at their ``loc`` (new ones get a home; ``loc`` 0 is padding)."""
+        """Pack the new tokens' rows with SGLang's writer into scratch, then store them as bytes at
+        their ``loc`` (new ones get a home; ``loc`` 0 is padding)."""
         loc = _loc_of(loc_info)
         n = loc.numel()
-        scratch = torch.empty(
-            (n, 1, self.kv_buffer[0].shape[-1]), dtype=self.kv_buffer[0].dtype, device=loc.device
-        )
-        rows = torch.arange(n, dtype=loc.dtype, device=loc.device)
+        # SGLang's writer never writes row 0 (its padding slot): pack into rows 1..n, store those.
+        buf = self.kv_buffer[0]
+        scratch = torch.empty((n + 1, 1, buf.shape[-1]), dtype=buf.dtype, device=loc.device)
+        rows = torch.arange(1, n + 1, dtype=loc.dtype, device=loc.device)
         self._write_mla_kv_buffer(scratch, rows, cache_k_nope, cache_k_rope)  # type: ignore[attr-defined]
-        self.ulakv_store.write(layer.layer_id, loc, scratch.view(n, -1).view(torch.uint8))
+        self.ulakv_store.write(layer.layer_id, loc, scratch[1:].reshape(n, -1).view(torch.uint8))
 
     def get_mla_kv_buffer(self, layer: Any, loc: torch.Tensor, dst_dtype: torch.dtype | None = None) -> Any:
         """Rows of ``loc`` read through their slots after making them resident (a prefill path)."""

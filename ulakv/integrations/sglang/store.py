@@ -12,6 +12,7 @@ transform without importing SGLang.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,24 @@ class SGLangStore:
             self.pool, max_batch=config.max_batch, top_k=config.top_k, max_queries=config.max_queries
         )
         self._steps: dict[int, GroupStep] = {}  # group -> its step of the current forward
+
+    def bound(self, max_queries: int, top_k: int) -> None:
+        """Size the per-step buffers for ``[max_batch, max_queries, top_k]`` selections (the
+        coordinator knows SGLang's draft tokens and the model's top-k; the KV pool, built first, does
+        not). Rebuilds the adapter only when they grow, before any step."""
+        if max_queries <= self.kv.max_queries and top_k <= self.kv.top_k:
+            return
+        self.kv.join()
+        self.config = dataclasses.replace(
+            self.config, max_queries=max(max_queries, self.kv.max_queries), top_k=max(top_k, self.kv.top_k)
+        )
+        self.kv = SparseKV(
+            self.pool,
+            max_batch=self.config.max_batch,
+            top_k=self.config.top_k,
+            max_queries=self.config.max_queries,
+        )
+        self._steps.clear()
 
     # -- addresses ---------------------------------------------------------------------------------
     @staticmethod
