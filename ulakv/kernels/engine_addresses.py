@@ -32,6 +32,16 @@ from ._triton import tl, triton
 BLOCK = 1024
 
 
+@triton.jit
+def _block(addr_ptr, i0, n, N, BLOCK: tl.constexpr):
+    """Positions ``i0 .. i0 + BLOCK`` of the call: position, in-call mask, address (int64; -1 past the
+    end) and whether it lies in ``[0, N)``."""
+    i = i0 + tl.arange(0, BLOCK)
+    im = i < n
+    a = tl.load(addr_ptr + i, mask=im, other=-1).to(tl.int64)
+    return i, im, a, im & (a >= 0) & (a < N)
+
+
 # Not specialised: n (varies per call), N, capacity, num_groups (pool constants feeding no vectorised
 # access) and the caller's address alignment. ADMIT, BLOCK: constexprs (two variants in all).
 @triton.jit(
@@ -50,14 +60,10 @@ def engine_addresses_kernel(
     ADMIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    ar = tl.arange(0, BLOCK)
     bad = tl.zeros((), tl.int32)
     count = tl.zeros((), tl.int64)
     for i0 in range(0, n, BLOCK):
-        i = i0 + ar
-        im = i < n
-        a = tl.load(addr_ptr + i, mask=im, other=-1).to(tl.int64)
-        inr = im & (a >= 0) & (a < N)
+        i, im, a, inr = _block(addr_ptr, i0, n, N, BLOCK)
         h = tl.load(map_ptr + a, mask=inr, other=K.M_FREE)
         if ADMIT:
             wrong = inr & (h != K.M_FREE)
@@ -70,10 +76,7 @@ def engine_addresses_kernel(
     tl.debug_barrier()
     dup = tl.zeros((), tl.int32)
     for i0 in range(0, n, BLOCK):
-        i = i0 + ar
-        im = i < n
-        a = tl.load(addr_ptr + i, mask=im, other=-1).to(tl.int64)
-        inr = im & (a >= 0) & (a < N)
+        i, im, a, inr = _block(addr_ptr, i0, n, N, BLOCK)
         stamp = tl.load(claim_ptr + a, mask=inr, other=-1)
         dup += tl.sum((inr & (stamp != i)).to(tl.int32), axis=0)
     live = tl.load(live_ptr)
@@ -86,10 +89,7 @@ def engine_addresses_kernel(
         if ADMIT:
             for g in range(num_groups):
                 for i0 in range(0, n, BLOCK):
-                    i = i0 + ar
-                    im = i < n
-                    a = tl.load(addr_ptr + i, mask=im, other=-1).to(tl.int64)
-                    inr = im & (a >= 0) & (a < N)
+                    i, im, a, inr = _block(addr_ptr, i0, n, N, BLOCK)
                     tl.store(map_ptr + g * N + a, tl.full((BLOCK,), K.M_UNHOMED, tl.int32), mask=inr)
             tl.store(live_ptr, live + count)
         else:
