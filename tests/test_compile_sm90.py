@@ -15,6 +15,8 @@ KERNELS = [
     "apply_kernel",
     "claim_kernel",
     "classify_kernel",
+    "compact_kernel",
+    "engine_addresses_kernel",
     "gather_kernel",
     "release_kernel",
 ]

@@ -78,10 +78,11 @@ def intercept_launches(arch: int, on_launch: OnLaunch) -> Iterator[None]:
 
 def drive_pool() -> None:
     """Every launch the pool makes, in each configuration the tool covers: two row widths (words
-    and bytes), both policies, a striped rank's buffer, and PB-LRU's standalone search."""
+    and bytes), both policies, a striped rank's buffer, PB-LRU's standalone search, an engine-owned
+    pool's admission and release, and ``compact_slots``."""
     import torch
 
-    from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+    from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered, compact_slots
     from ulakv.kernels.buckets import bucket_bits, search
     from ulakv.kernels.operands import readable_rows
     from ulakv.layouts.tiered_state import BufferState, TieredLayout
@@ -111,6 +112,14 @@ def drive_pool() -> None:
         plan, _ = layout.plan(0, flat)
         layout.execute(plan, fetched=readable_rows(torch.zeros((4, 2, width), dtype=torch.uint8)))
     search(bucket_bits(torch.ones(40, dtype=torch.bool)), 40, 4)
+    # Engine-owned addresses (both check variants, and release's checked one), then FlashInfer's layout.
+    engine = Pool(cfg.replace(engine_addresses=64, page_size=64))
+    locs = torch.tensor([9, 3, -1, 17])
+    engine.admit_addresses(locs)
+    engine.write(0, locs, torch.zeros((4, 656), dtype=torch.uint8))
+    slots = engine.prepare(0, locs.view(1, 4)).slots
+    engine.release_addresses(locs)
+    compact_slots(slots)
 
 
 def compile_all(arch: int = 90) -> dict[str, int]:
