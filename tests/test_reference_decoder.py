@@ -15,12 +15,13 @@ from ulakv.engine.reference import DecoderSpec, DenseKV, PoolKV, Request, TinyDe
 
 
 def workload(seed: int = 0) -> list[Request]:
+    """8 requests arriving over steps 0..6 and finishing at different steps (34 steps in all)."""
     rng = random.Random(seed)
     return [
         Request(
-            tuple(rng.randrange(97) for _ in range(rng.randint(6, 20))),
-            rng.randint(40, 56),
-            rng.randint(0, 12),
+            tuple(rng.randrange(97) for _ in range(rng.randint(4, 12))),
+            rng.randint(16, 24),
+            rng.randint(0, 6),
         )
         for _ in range(8)
     ]
@@ -37,19 +38,24 @@ class Recording(DenseKV):
         return positions
 
 
-# Each policy once, each query shape once (about a minute each on one core: 64+ steps, token by
-# token); the bulk-prefill test below and the demo cover PB-LRU with 3 query positions again.
+# Each policy once, each query shape once; the bulk-prefill test below and the demo cover PB-LRU with
+# 3 query positions again. Every step costs a plan per write and per group's prepare (interpreted
+# kernels, a fixed cost each), so the workload is as short as keeps the pressure: 34 steps, top-8
+# (working set 64 and 71 entries, GPU 96 and 106 slots, history 227), 3 layers in a group of 2 (its
+# prepare split in two launches) and a group of 1 (not split). Measured: victims in 29 and 23 of the
+# 68 group-steps, swap-ins from the CPU in 38 and 30, clean evictions in 22 and 11 (LRU and PB-LRU;
+# the earlier 77 steps of top-24 over 4 layers: 36/28, 48/39, 25/10 of 154, three times the time).
 @pytest.mark.parametrize(
     ("policy", "queries"), [(ExactLRU(), 1), (PBLRU(4), 3)], ids=["exact-lru-no-spec", "pblru4-spec-q3"]
 )
 def test_pool_logits_equal_dense_logits(policy, queries) -> None:
-    spec = DecoderSpec(queries=queries)
+    spec = DecoderSpec(topk=8, queries=queries, layers=3)
     requests = workload()
     model = TinyDecoder(spec)
     max_len = max(len(r.prompt) + r.new_tokens for r in requests)
     Recording.working_set = 0
     dense = generate(model, Recording(spec, len(requests), max_len), requests)
-    assert len(dense) >= 64
+    assert len(dense) >= 32
     history = sum(len(r.prompt) + r.new_tokens for r in requests)
     gpu = int(1.5 * Recording.working_set)
     assert gpu < history  # real pressure: most of the history must live on the CPU at some point
@@ -60,6 +66,7 @@ def test_pool_logits_equal_dense_logits(policy, queries) -> None:
         assert torch.equal(a, b), f"step {step}: logits differ"
     stats = store.pool.stats()
     assert stats["misses"] > 0 and stats["victims"] > 0  # entries really went to the CPU and back
+    assert stats["bytes_in"] > 0 and stats["clean_evictions"] > 0  # rows back from CPU homes, clean victims
     assert stats["live_addresses"] == 0
 
 

@@ -262,8 +262,8 @@ def _decode(
     share = -(-history // world)
     most = spec.topk * spec.queries * len(requests)  # distinct addresses one group-step may select
     # With a CPU tier the slice's GPU part is smaller than its share of history: entries go to the CPU.
-    # In local mode a slice brings in only its home's part of a step: here at most most / world + 5
-    # (measured on this workload: at most 96 / world + 5 on any rank).
+    # In local mode a slice brings in only its home's part of a step: here at most most / world + 8
+    # (measured on the decode test's workload: at most 48 / world + 2 on any rank).
     step = most if mode == "fetch" else most // world + 8
     inner = Tiered(gpu_slots=step, cpu_slots=share) if cpu else Tiered(gpu_slots=max(share, step))
     if mode == "local":
@@ -285,49 +285,70 @@ def _decode(
     }
 
 
-def tp_workload() -> tuple[DecoderSpec, list[Request]]:
-    """8 requests arriving and leaving over 32+ decode steps; 3 layers in 2 groups (2 + 1), so both a
-    full and a shorter group go through every path at the least cost (a write is a plan)."""
+def _decode_cases(rank: int, world: int, cases, references, requests, spec) -> list[dict]:
+    """Each ``(mode, cpu)`` case in turn on the same ranks: a fresh pool each, one process group."""
+    return [
+        _decode(rank, world, mode, cpu, reference, requests, spec)
+        for (mode, cpu), reference in zip(cases, references, strict=True)
+    ]
+
+
+def tp_workload(topk: int = 12, new_tokens: tuple[int, int] = (22, 24)) -> tuple[DecoderSpec, list[Request]]:
+    """8 requests arriving and leaving over 32+ decode steps (20 with ``topk=6, new_tokens=(10, 12)``);
+    3 layers in 2 groups (2 + 1), so both a full and a shorter group go through every path at the
+    least cost (a write is a plan)."""
     rng = random.Random(5)
     requests = [
         Request(
             tuple(rng.randrange(97) for _ in range(rng.randint(4, 8))),
-            rng.randint(22, 24),
+            rng.randint(*new_tokens),
             rng.randint(0, 4),
         )
         for _ in range(8)
     ]
-    return DecoderSpec(topk=12, queries=1, layers=3), requests
+    return DecoderSpec(topk=topk, queries=1, layers=3), requests
 
 
 # Fetch mode attends over the whole selection on every rank: the reference is attention on one
 # device. Local mode attends over each rank's part and merges: the reference is dense KV under the
-# same split (``DenseKV(world=...)``). Each mode once with and once without a CPU tier, world 2 and 4.
+# same split (``DenseKV(world=...)``). Each mode once with and once without a CPU tier, world 2 and 4;
+# the two cases of a world run one after the other on one launch of its ranks (starting 4 interpreter
+# processes on 2 cores took ~10 s a launch). Each step costs a plan per write and per group on every
+# rank, so the workload is short: 20 steps of top-6 over a history of 132 (measured: each fetch
+# buffer evicts 265 entries, each slice with a CPU tier evicts 13 to 42; the earlier 32 steps of
+# top-12 took 1.4 times as long for the same paths).
+TP_CASES = {2: (("fetch", True), ("local", False)), 4: (("fetch", False), ("local", True))}
+
+
 @pytest.mark.parametrize(
-    ("mode", "world", "cpu"),
-    [("fetch", 2, True), ("fetch", 4, False), ("local", 2, False), ("local", 4, True)],
-    ids=["fetch-w2-tiered", "fetch-w4-gpu-only", "local-w2-gpu-only", "local-w4-tiered"],
+    "world", [2, 4], ids=["w2-fetch-tiered-local-gpu-only", "w4-fetch-gpu-only-local-tiered"]
 )
-def test_tp_decoder_logits_equal_dense(mode, world, cpu) -> None:
-    spec, requests = tp_workload()
-    split = world if mode == "local" else 1
-    reference = generate(TinyDecoder(spec), DenseKV(spec, len(requests), 48, world=split), requests)
-    assert len(reference) >= 32
-    results = run_ranks(_decode, world, mode, cpu, reference, requests, spec)
-    for r in results:
-        assert r["same"], f"{mode} TP logits differ from the dense run under the same split"
-        assert r["indexer_bytes"] > 0  # each rank scored its own keys and merged candidates
-        stats = r["stats"]
-        if mode == "fetch":
-            assert stats["misses"] > 0 and stats["bytes_communicated"] > 0
-            assert 0 < stats["bytes_needed"] <= stats["bytes_communicated"]
-            assert stats["buffer_victims"] > 0  # the buffer is smaller than the history it serves
-        else:  # no rows between ranks, no buffer: only the partial outputs and their LSE
-            assert stats["bytes_communicated"] == stats["collectives"] == stats["buffer_slots_used"] == 0
-            assert r["partial_bytes"] > 0
-        if cpu:
-            assert r["gpu"] < r["share"]  # the slice's history does not fit its GPU part
-            assert stats["victims"] > 0 and stats["misses"] > 0  # entries went to the CPU and came back
+def test_tp_decoder_logits_equal_dense(world) -> None:
+    spec, requests = tp_workload(topk=6, new_tokens=(10, 12))
+    cases = TP_CASES[world]
+    references = []
+    for mode, _ in cases:
+        split = world if mode == "local" else 1
+        references.append(
+            generate(TinyDecoder(spec), DenseKV(spec, len(requests), 48, world=split), requests)
+        )
+        assert len(references[-1]) >= 20
+    per_rank = run_ranks(_decode_cases, world, cases, references, requests, spec)
+    for (mode, cpu), results in zip(cases, zip(*per_rank, strict=True), strict=True):
+        for r in results:
+            assert r["same"], f"{mode} TP logits differ from the dense run under the same split"
+            assert r["indexer_bytes"] > 0  # each rank scored its own keys and merged candidates
+            stats = r["stats"]
+            if mode == "fetch":
+                assert stats["misses"] > 0 and stats["bytes_communicated"] > 0
+                assert 0 < stats["bytes_needed"] <= stats["bytes_communicated"]
+                assert stats["buffer_victims"] > 0  # the buffer is smaller than the history it serves
+            else:  # no rows between ranks, no buffer: only the partial outputs and their LSE
+                assert stats["bytes_communicated"] == stats["collectives"] == stats["buffer_slots_used"] == 0
+                assert r["partial_bytes"] > 0
+            if cpu:
+                assert r["gpu"] < r["share"]  # the slice's history does not fit its GPU part
+                assert stats["victims"] > 0 and stats["misses"] > 0  # entries went to the CPU and came back
 
 
 # Float32 reordering of the merge moves attention outputs by a few ulps (measured: <= 4.8e-7); a
