@@ -3,9 +3,11 @@
 Triton compiles a kernel once per specialisation key: argument types, constexpr values, integers
 equal to 1 or divisible by 16, pointers 16-byte aligned (minus what ``do_not_specialize`` and
 ``do_not_specialize_on_alignment`` exclude). A key first met mid-serving costs about 4 s of compile
-on a GPU, or breaks a CUDA-graph capture. The loop below varies what an engine varies from step to
+on a GPU, or breaks a CUDA-graph capture. The loops below vary what an engine varies from step to
 step (batch 1..256, every layer group, the last one short, prefill lengths, decode writes, the
-prefetch split, releases, reads) and counts the distinct keys per kernel that a GPU would compile.
+prefetch split, releases, reads; on an engine-owned pool, the engine's slots made live and freed at
+any offset of its buffers, and FlashInfer's layout of the slots) and count the distinct keys per
+kernel that a GPU would compile.
 
 No GPU is needed: a subprocess with TRITON_INTERPRET=0 drives the pool, and every launch stops
 inside Triton's own ``JITFunction.run`` right where it would compile
@@ -132,15 +134,83 @@ def _serve_buffer(policy, width: int, on_step) -> None:
         on_step(step)
 
 
+def _serve_engine(policy, width: int, on_step) -> None:
+    """An engine-owned pool as the SGLang store drives it: the engine's own slots (``loc``, int64
+    views of its ``out_cache_loc`` buffer; 0 its padding) made live each step, written, selected
+    (int32 ``[B, Q, K]`` from the engine's page table), laid out for FlashInfer into fixed buffers,
+    and freed as requests finish."""
+    import random
+
+    import torch
+
+    from ulakv import compact_slots
+    from ulakv.integrations.sglang.store import SGLangStore, StoreConfig
+
+    store = SGLangStore(
+        StoreConfig(
+            layers=LAYERS,
+            bytes_per_token=width,
+            device_tokens=GPU_SLOTS,
+            logical_tokens=4096,
+            max_batch=MAX_BATCH,
+            max_queries=QUERIES,
+            top_k=TOP_K,
+            layers_per_group=PER_GROUP,
+            policy=policy,
+            validate=False,
+        )
+    )
+    rng = random.Random(width)
+    free = list(range(1, 4096))  # loc 0 is the engine's padding slot
+    rng.shuffle(free)
+    out_cache_loc = torch.zeros(MAX_BATCH * MAX_PROMPT + 8, dtype=torch.int64)
+    rows = torch.zeros((LAYERS, MAX_BATCH * MAX_PROMPT + 8, width), dtype=torch.uint8)
+    topk = torch.zeros((MAX_BATCH, QUERIES, TOP_K), dtype=torch.int32)
+    flashinfer = torch.empty((MAX_BATCH, QUERIES, TOP_K), dtype=torch.int32)
+    counts = torch.empty((MAX_BATCH, QUERIES), dtype=torch.int32)
+    live: list[list[int]] = []
+
+    def make_live(locs: list[int]) -> None:
+        start = rng.randrange(8)  # the step's tokens start anywhere in the engine's buffer
+        loc = out_cache_loc[start : start + len(locs)]
+        loc.copy_(torch.tensor(locs))
+        store.admit(loc)
+        for layer in range(LAYERS):
+            store.write(layer, loc, rows[layer, start : start + len(locs)])
+
+    for step, batch in enumerate(BATCHES):
+        while len(live) > batch:
+            store.release(torch.tensor(live.pop(0)))
+        arrivals = [[free.pop() for _ in range(rng.randint(1, MAX_PROMPT))] for _ in range(batch - len(live))]
+        if arrivals:  # one prefill for every new request's tokens
+            make_live([loc for request in arrivals for loc in request])
+            live += arrivals
+        for b, request in enumerate(live):
+            for q in range(QUERIES):
+                picks = rng.sample(request, min(TOP_K, len(request)))
+                topk[b, q] = torch.tensor(picks + [0] * (TOP_K - len(picks)))
+        for layer in range(LAYERS):  # the first layer of a group prepares it, the others wait
+            slots = store.slots(layer, topk[:batch])
+            compact_slots(slots, out=flashinfer[:batch], counts=counts[:batch])
+        new = [free.pop() for _ in live]  # the step's token
+        make_live(new)
+        for request, loc in zip(live, new, strict=True):
+            request.append(loc)
+        finished = live.pop(rng.randrange(len(live)))
+        store.release(torch.tensor(finished))
+        free += finished
+        on_step(step)
+
+
 def _unknown_exclusions() -> dict[str, list[str]]:
     """Names in a kernel's ``do_not_specialize`` lists that are none of its parameters (Triton
     ignores them silently: a typo would bring the variants back)."""
     from triton.runtime.jit import JITFunction
 
-    from ulakv.kernels import apply, buckets, gather, lookup, release
+    from ulakv.kernels import apply, buckets, compact, engine_addresses, gather, lookup, release
 
     unknown = {}
-    for module in (apply, buckets, gather, lookup, release):
+    for module in (apply, buckets, compact, engine_addresses, gather, lookup, release):
         for name, fn in vars(module).items():
             if isinstance(fn, JITFunction):
                 params = {p.name for p in fn.params}
@@ -181,6 +251,8 @@ def _main() -> None:
             ("pblru_words64", _serve, PBLRU(4), 64),
             ("buffer_lru_words20", _serve_buffer, ExactLRU(), 20),
             ("buffer_pblru_bytes6", _serve_buffer, PBLRU(4), 6),
+            ("engine_lru_words20", _serve_engine, ExactLRU(), 20),
+            ("engine_pblru_bytes6", _serve_engine, PBLRU(4), 6),
         ]
         for name, serve, policy, width in cases:
             keys.clear()
@@ -237,7 +309,15 @@ def test_no_new_kernel_variant_after_the_first_step(report: dict) -> None:
     assert not grown, f"variants (after the first step, at the end) that grew: {grown}; all: {counts}"
     # The loop met every kernel a serving pool launches.
     met = {kernel for kernels in report["cases"].values() for kernel in kernels}
-    assert met == {"claim_kernel", "classify_kernel", "apply_kernel", "gather_kernel", "release_kernel"}
+    assert met == {
+        "claim_kernel",
+        "classify_kernel",
+        "apply_kernel",
+        "gather_kernel",
+        "release_kernel",
+        "engine_addresses_kernel",
+        "compact_kernel",
+    }
 
 
 if __name__ == "__main__":
