@@ -7,7 +7,7 @@ runs inside an SGLang process (its plugin entry point) or a coordinator is built
 from .coordinator import UlakvSparseCoordinator, UnsupportedBySGLangAdapter
 from .plugin import install
 from .store import SGLangStore, StoreConfig
-from .wheel import SGLANG_VERSION
+from .version import SGLANG_VERSION
 
 __all__ = [
     "SGLANG_VERSION",

@@ -16,7 +16,7 @@ from ...errors import UlakvError
 from .allocator import UlakvAllocatorMixin
 from .coordinator import UlakvSparseCoordinator
 from .kv_pool import UlakvKVPoolMixin
-from .wheel import SGLANG_VERSION
+from .version import SGLANG_VERSION
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ import zipfile
 from pathlib import Path
 from types import ModuleType
 
+from .version import SGLANG_VERSION
+
 __all__ = ["SGLANG_VERSION", "load_transform_index", "main", "wheel_source"]
 
-#: The SGLang release the adapter is written and checked against.
-SGLANG_VERSION = "0.5.23"
 
 #: The one binary wheel that release ships; pinning its tags lets any interpreter or host fetch the
 #: same file (only its Python source is read, never its compiled parts).
