@@ -53,8 +53,8 @@ class TransferPlan:
 
     The tensors are views of the layout's call scratch: valid until the plan is finished and the
     next call plans. ``applied`` is the last phase carried out (0: none) and ``layers_in`` the layers
-    whose rows the ``in`` phase has moved. ``ready[layer]`` is the signal: a CUDA event recorded
-    once that layer's rows are in (``None`` on CPU, where running returns when the work is done).
+    whose rows the ``in`` phase has moved. A layer's readiness on a GPU is a CUDA event the engine
+    adapter records (``ulakv.engine.GroupStep.ready``), not the plan's.
     """
 
     group: int
@@ -70,7 +70,6 @@ class TransferPlan:
     out: torch.Tensor | None = None
     applied: int = 0
     layers_in: set[int] = field(default_factory=set)
-    ready: dict[int, object] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
