@@ -317,7 +317,15 @@ def search(bucket: torch.Tensor, gpu_slots: int, count: int) -> tuple[torch.Tens
     out = torch.full((max(count, 1),), -1, dtype=torch.int32, device=device)
     stats = torch.zeros(2, dtype=torch.int64, device=device)
     _search_kernel[(1,)](
-        bucket, levels, len(offsets) - 1, count, frontier, offsets[1], out, stats, BLOCK=1024
+        bits_ptr=bucket,
+        lvl_ptr=levels,
+        n_levels=len(offsets) - 1,
+        limit=count,
+        buf_ptr=frontier,
+        buf_size=offsets[1],
+        out_ptr=out,
+        stats_ptr=stats,
+        BLOCK=1024,
     )
     got, reads = stats.tolist()
     return out[:got], reads

@@ -103,15 +103,15 @@ def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: i
     and, if they pass, make them live (``admit``; at most ``capacity`` live at once) or count them out
     (release); the status lands in ``state.ctl``. ``live`` is int64 ``[1]``. Returns launches."""
     engine_addresses_kernel[(1,)](
-        addrs,
-        addrs.numel(),
-        state.mapping,
-        state.num_addresses,
-        state.num_groups,
-        state.claim,
-        live,
-        capacity,
-        state.ctl,
+        addr_ptr=addrs,
+        n=addrs.numel(),
+        map_ptr=state.mapping,
+        N=state.num_addresses,
+        num_groups=state.num_groups,
+        claim_ptr=state.claim,
+        live_ptr=live,
+        capacity=capacity,
+        ctl_ptr=state.ctl,
         ADMIT=admit,
         BLOCK=BLOCK,
     )

@@ -41,14 +41,14 @@ def gather(addrs, mapping, gpu_slots: int, gpu_layer, cpu_layer) -> torch.Tensor
     out = torch.empty((n, W), dtype=gpu_layer.dtype, device=gpu_layer.device)
     if n:
         gather_kernel[(triton.cdiv(n, ROWS),)](
-            addrs,
-            n,
-            mapping,
-            gpu_slots,
-            gpu_layer,
-            cpu_layer,
-            out,
-            W,
+            addr_ptr=addrs,
+            n=n,
+            map_ptr=mapping,
+            G=gpu_slots,
+            gpu_ptr=gpu_layer,
+            cpu_ptr=cpu_layer,
+            out_ptr=out,
+            W=W,
             ROWS=ROWS,
             WORDS=K.next_pow2(W),
         )

@@ -213,19 +213,20 @@ class TieredState(_Tensors):
     def bucket_words(self) -> int:
         return 1 if self.policy == K.EXACT_LRU else level_offsets(self.gpu_slots)[-1]
 
-    def pblru_args(self, g: int) -> tuple:
-        """Arguments every kernel takes for PB-LRU (stand-ins under exact LRU), in kernel order:
-        bits, bucket words, level offsets, number of levels, stamps, ring size, frontier, its size."""
-        return (
-            self.bits[g],
-            self.bucket_words,
-            self.levels,
-            self.levels.numel() - 1,  # summary levels, leaf included
-            self.stamp[g],
-            self.num_buckets,
-            self.frontier,
-            self.frontier.shape[1],
-        )
+    def pblru_kwargs(self, g: int) -> dict[str, object]:
+        """Arguments the planning kernels take for PB-LRU (stand-ins under exact LRU), by their
+        parameter names: bits, bucket words, level offsets, number of levels, stamps, ring size,
+        frontier, its size."""
+        return {
+            "bits_ptr": self.bits[g],
+            "BW": self.bucket_words,
+            "lvl_ptr": self.levels,
+            "n_levels": self.levels.numel() - 1,  # summary levels, leaf included
+            "stamp_ptr": self.stamp[g],
+            "R": self.num_buckets,
+            "frontier_ptr": self.frontier,
+            "frontier_size": self.frontier.shape[1],
+        }
 
     @property
     def num_addresses(self) -> int:
