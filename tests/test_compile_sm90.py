@@ -18,6 +18,7 @@ KERNELS = [
     "compact_kernel",
     "engine_addresses_kernel",
     "gather_kernel",
+    "mark_live_kernel",
     "release_kernel",
 ]
 

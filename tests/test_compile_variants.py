@@ -316,6 +316,7 @@ def test_no_new_kernel_variant_after_the_first_step(report: dict) -> None:
         "gather_kernel",
         "release_kernel",
         "engine_addresses_kernel",
+        "mark_live_kernel",
         "compact_kernel",
     }
 

@@ -5,21 +5,29 @@ logical addresses. Each decode step it makes its new tokens' addresses live, fro
 never reads back, so the check runs on the device and a refusal is a status word, as for ``prepare``
 (``ulakv.deferred``): nothing changes unless every address passes.
 
-One program walks the addresses in blocks, three passes with a barrier between them:
+The check is one program walking the addresses in blocks, two passes with a barrier between them:
 
 1. range and liveness: an address out of ``[0, N)`` (``-1`` is padding), one already live (admit) or
    not live (release) fails the call; each address stamps its position into ``claim[address]``;
 2. duplicates: an address whose stamp is not its own position appears twice (the later stamp won);
-3. only if all passed: admit marks the addresses live (``UNHOMED``) in every group and adds them to
-   the live count; release subtracts them (``ulakv.kernels.release`` frees their homes after, and
-   reads the status this kernel wrote to skip a refused call).
 
-One program because the three passes must see each other's stores (a barrier orders one program's
-threads only) and the work is small: a decode step admits ``batch`` addresses (<= 256: one block of
-1024), a prefill chunk some thousands (a few blocks per pass). The stamps go into the lookup's
-``claim`` array (int64 per address), so an engine-owned pool needs no scratch of its own: pass 2 reads
-only stamps pass 1 wrote in the same call, and a stamp (a position, below 2**31) carries epoch 0,
-which no lookup's claim key (``epoch << 32 | ...``, epoch >= 1) mistakes for one of its own.
+then, only if all passed, it adds the addresses to the live count (admit) or subtracts them
+(release), and writes the status. What the verdict allows runs in a second launch that reads the
+status back on the device: for an admit ``mark_live_kernel``, a program per group and block of
+addresses marking them live (``UNHOMED``); for a release ``ulakv.kernels.release`` in ``checked``
+mode, which frees their homes.
+
+One program for the check because its passes must see each other's stores (a barrier orders one
+program's threads only) and the work is small: a decode step admits ``batch`` addresses (<= 256:
+one block of 1024), a prefill chunk some thousands (a few blocks per pass). The marking is apart
+because it is the work that grows with the groups: done in the check's program, a 16K-token admit
+into 61 one-layer groups (DSA's indexer per layer) was 2,037 memory operations in a row
+(``benchmarks/release_path.py``); a program per group and block stores one block.
+
+The stamps go into the lookup's ``claim`` array (int64 per address), so an engine-owned pool needs
+no scratch of its own: pass 2 reads only stamps pass 1 wrote in the same call, and a stamp (a
+position, below 2**31) carries epoch 0, which no lookup's claim key (``epoch << 32 | ...``, epoch
+>= 1) mistakes for one of its own.
 """
 
 from __future__ import annotations
@@ -42,17 +50,14 @@ def _block(addr_ptr, i0, n, N, BLOCK: tl.constexpr):
     return i, im, a, im & (a >= 0) & (a < N)
 
 
-# Not specialised: n (varies per call), N, capacity, num_groups (pool constants feeding no vectorised
-# access) and the caller's address alignment. ADMIT, BLOCK: constexprs (two variants in all).
-@triton.jit(
-    do_not_specialize=["n", "N", "capacity", "num_groups"], do_not_specialize_on_alignment=["addr_ptr"]
-)
+# Not specialised: n (varies per call), N, capacity (pool constants feeding no vectorised access)
+# and the caller's address alignment. ADMIT, BLOCK: constexprs (two variants in all).
+@triton.jit(do_not_specialize=["n", "N", "capacity"], do_not_specialize_on_alignment=["addr_ptr"])
 def engine_addresses_kernel(
     addr_ptr,
     n,
     map_ptr,
     N,
-    num_groups,
     claim_ptr,
     live_ptr,
     capacity,
@@ -87,10 +92,6 @@ def engine_addresses_kernel(
     tl.debug_barrier()
     if status == 0:
         if ADMIT:
-            for g in range(num_groups):
-                for i0 in range(0, n, BLOCK):
-                    i, im, a, inr = _block(addr_ptr, i0, n, N, BLOCK)
-                    tl.store(map_ptr + g * N + a, tl.full((BLOCK,), K.M_UNHOMED, tl.int32), mask=inr)
             tl.store(live_ptr, live + count)
         else:
             tl.store(live_ptr, live - count)
@@ -98,16 +99,29 @@ def engine_addresses_kernel(
     tl.store(ctl_ptr + K.E_PENDING, tl.load(ctl_ptr + K.E_PENDING) | status)
 
 
+# Not specialised: n, N, as above, and the caller's address alignment (map_ptr is the whole
+# [groups, N] mapping: the group's row is added here). BLOCK: a constexpr (one variant).
+@triton.jit(do_not_specialize=["n", "N"], do_not_specialize_on_alignment=["addr_ptr"])
+def mark_live_kernel(addr_ptr, n, map_ptr, N, ctl_ptr, BLOCK: tl.constexpr):
+    """Program (g, b): block b of an admit's addresses live in group g, if the check passed."""
+    g = tl.program_id(0).to(tl.int64)
+    i0 = tl.program_id(1).to(tl.int64) * BLOCK
+    n = tl.where(tl.load(ctl_ptr + K.E_LAST_STATUS) == 0, n, 0)  # a refused admit marks nothing
+    _, _, a, inr = _block(addr_ptr, i0, n, N, BLOCK)
+    tl.store(map_ptr + g * N + a, tl.full((BLOCK,), K.M_UNHOMED, tl.int32), mask=inr)
+
+
 def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: int, admit: bool) -> int:
     """Check ``addrs`` (packed int32/int64 ``[n]``, -1 padding) against ``state`` (a ``TieredState``)
     and, if they pass, make them live (``admit``; at most ``capacity`` live at once) or count them out
-    (release); the status lands in ``state.ctl``. ``live`` is int64 ``[1]``. Returns launches."""
+    (release, whose homes ``ulakv.kernels.release`` frees after); the status lands in ``state.ctl``.
+    ``live`` is int64 ``[1]``. Returns launches (2 for an admit, 1 for a release)."""
+    n = addrs.numel()
     engine_addresses_kernel[(1,)](
         addr_ptr=addrs,
-        n=addrs.numel(),
+        n=n,
         map_ptr=state.mapping,
         N=state.num_addresses,
-        num_groups=state.num_groups,
         claim_ptr=state.claim,
         live_ptr=live,
         capacity=capacity,
@@ -115,7 +129,12 @@ def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: i
         ADMIT=admit,
         BLOCK=BLOCK,
     )
-    return 1
+    if not admit:
+        return 1
+    mark_live_kernel[(state.num_groups, triton.cdiv(n, BLOCK))](
+        addr_ptr=addrs, n=n, map_ptr=state.mapping, N=state.num_addresses, ctl_ptr=state.ctl, BLOCK=BLOCK
+    )
+    return 2
 
 
 def engine_addresses_reference(
