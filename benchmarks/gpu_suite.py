@@ -27,6 +27,10 @@ Sections, in order (a failed check stops the suite before any timing):
 7. ``striped_graph``: a striped rank's ``prepare`` in both attention modes (a process group of one
    rank: NCCL on the device, gloo on CPU), fetch mode with its all-gather, captured in a CUDA graph
    and replayed on fresh selections; the replayed slots hold the right bytes.
+8. ``requests``: what a request costs outside ``prepare``, on the stream decode runs on: an
+   engine-owned pool of 61 one-layer groups (DSA under SGLang: an indexer per layer), a decode
+   step's admission of 256 new tokens, a 16K-token prompt's admission, and its release once its
+   rows are written (the GPU full, the rest on the CPU); both policies.
 
 Prints a table per section and writes everything to ``--out`` as JSON. Timings on CPU (smoke) are the
 interpreter's and mean nothing; the smoke run exists so that this script cannot rot (CI runs it).
@@ -78,10 +82,12 @@ class Sizes:
     scale_slots: int  # GPU slots of the real-shape correctness pools
     scale_elements: int  # elements of each of their selections
     scale_calls: int
+    request_groups: int  # one-layer groups of the requests section's pool
+    request_tokens: int  # tokens of its prompt
 
 
-FULL = Sizes(1 << 30, 1 << 20, 2048, (1, 8, 64, 256), 16384, 5, 1 << 16, 8, 1 << 16, 8 * 1024, 24)
-SMOKE = Sizes(1 << 20, 2048, 16, (1, 4), 64, 1, 512, 2, 2048, 2 * 1024, 6)
+FULL = Sizes(1 << 30, 1 << 20, 2048, (1, 8, 64, 256), 16384, 5, 1 << 16, 8, 1 << 16, 8 * 1024, 24, 61, 16384)
+SMOKE = Sizes(1 << 20, 2048, 16, (1, 4), 64, 1, 512, 2, 2048, 2 * 1024, 6, 3, 96)
 
 
 # -- timing -----------------------------------------------------------------------------------------
@@ -103,6 +109,31 @@ def timed(fn: Callable[[int], object], reps: int, device: torch.device, warmup: 
             t = time.perf_counter()
             fn(i)
             times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def timed_after(
+    setup: Callable[[], object], call: Callable[[], object], reps: int, device: torch.device
+) -> float:
+    """Median seconds of ``call()`` over ``reps`` runs (after one warm-up), each after an untimed
+    ``setup()``."""
+    times = []
+    for rep in range(reps + 1):
+        setup()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t = time.perf_counter()
+            call()
+            seconds = time.perf_counter() - t
+        if rep:
+            times.append(seconds)
     return statistics.median(times)
 
 
@@ -507,6 +538,65 @@ def _striped_step(device: torch.device, sizes: Sizes, attention: str) -> dict:
     return {**row, "captured": "replayed correctly", "rows_checked": checked, "replay_us": replay * 1e6}
 
 
+# -- 8. a request's admission and release --------------------------------------------------------------
+def request_calls(device: torch.device, sizes: Sizes) -> list[dict]:
+    """An engine-owned pool's calls outside ``prepare``: each runs between decode steps on their
+    stream, so its time is a stall of the next step (``benchmarks/release_path.py`` counts the
+    memory operations of their busiest programs)."""
+    groups, T = sizes.request_groups, sizes.request_tokens
+    step_tokens = min(max(sizes.batches), T)
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randperm(2 * T, generator=gen)[:T].to(device)
+    step = prompt[:step_tokens]
+    out = []
+    for name, policy in (("exact LRU", ExactLRU()), ("PB-LRU(8)", PBLRU(8))):
+        pool = Pool(
+            PoolConfig(
+                entry=EntrySpec(bytes_per_layer=ROW),
+                num_layers=groups,
+                layers_per_group=1,
+                layout=Tiered(gpu_slots=T // 2, cpu_slots=T, policy=policy),
+                device=device,
+                validate=False,
+                engine_addresses=2 * T,
+            )
+        )
+        live = []
+
+        def give_back(pool=pool, live=live) -> None:
+            while live:
+                pool.release_addresses(live.pop())
+
+        def admitted_and_written(pool=pool, live=live) -> None:
+            give_back()
+            pool.admit_addresses(prompt)
+            live.append(prompt)
+            write_all(pool, prompt, range(groups))
+
+        reps = sizes.steps
+        admit_step = timed_after(
+            give_back, lambda p=pool, ls=live: (p.admit_addresses(step), ls.append(step)), reps, device
+        )
+        admit_prompt = timed_after(
+            give_back, lambda p=pool, ls=live: (p.admit_addresses(prompt), ls.append(prompt)), reps, device
+        )
+        release_prompt = timed_after(
+            admitted_and_written, lambda p=pool, ls=live: p.release_addresses(ls.pop()), reps, device
+        )
+        pool.check()  # a deferred refusal would surface here
+        live_after = pool.stats()["live_addresses"]
+        if live_after:
+            raise AssertionError(f"requests ({name}): {live_after} addresses still live after every release")
+        for call, tokens, secs in (
+            ("admit_addresses (decode step)", step_tokens, admit_step),
+            ("admit_addresses (prompt)", T, admit_prompt),
+            ("release_addresses (prompt, written)", T, release_prompt),
+        ):
+            out.append({"policy": name, "groups": groups, "call": call, "tokens": tokens, "us": secs * 1e6})
+        del pool
+    return out
+
+
 def meta(device: torch.device, smoke: bool) -> dict:
     import triton
 
@@ -557,6 +647,8 @@ def main(argv: list[str] | None = None) -> dict:
     table("one engine step in a CUDA graph", [results["graph"]])
     results["striped_graph"] = striped_graph(device, sizes)
     table("a striped rank's prepare in a CUDA graph (world 1)", results["striped_graph"])
+    results["requests"] = request_calls(device, sizes)
+    table("a request's admission and release (engine-owned pool)", results["requests"])
     results["meta"]["seconds"] = time.perf_counter() - started
     print(f"\ndone in {results['meta']['seconds']:.1f} s")
     if args.out is not None:

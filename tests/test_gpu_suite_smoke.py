@@ -38,3 +38,5 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
     assert all(row["victims_per_step"] == 0 for row in results["prepare"] if row["case"] == "fits")
     assert results["graph"]["eager_us"] > 0
     assert [row["attention"] for row in results["striped_graph"]] == ["fetch", "local"]
+    requests = results["requests"]
+    assert len(requests) == 6 and all(row["us"] > 0 and row["groups"] == 3 for row in requests)
