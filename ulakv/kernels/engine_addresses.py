@@ -103,9 +103,9 @@ def engine_addresses_kernel(
 # [groups, N] mapping: the group's row is added here). BLOCK: a constexpr (one variant).
 @triton.jit(do_not_specialize=["n", "N"], do_not_specialize_on_alignment=["addr_ptr"])
 def mark_live_kernel(addr_ptr, n, map_ptr, N, ctl_ptr, BLOCK: tl.constexpr):
-    """Program (g, b): block b of an admit's addresses live in group g, if the check passed."""
-    g = tl.program_id(0).to(tl.int64)
-    i0 = tl.program_id(1).to(tl.int64) * BLOCK
+    """Program (b, g): block b of an admit's addresses live in group g, if the check passed."""
+    i0 = tl.program_id(0).to(tl.int64) * BLOCK
+    g = tl.program_id(1).to(tl.int64)
     n = tl.where(tl.load(ctl_ptr + K.E_LAST_STATUS) == 0, n, 0)  # a refused admit marks nothing
     _, _, a, inr = _block(addr_ptr, i0, n, N, BLOCK)
     tl.store(map_ptr + g * N + a, tl.full((BLOCK,), K.M_UNHOMED, tl.int32), mask=inr)
@@ -131,7 +131,8 @@ def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: i
     )
     if not admit:
         return 1
-    mark_live_kernel[(state.num_groups, triton.cdiv(n, BLOCK))](
+    # Blocks on the grid's first axis (up to 2**31 - 1 programs), groups on the second (65,535).
+    mark_live_kernel[(triton.cdiv(n, BLOCK), state.num_groups)](
         addr_ptr=addrs, n=n, map_ptr=state.mapping, N=state.num_addresses, ctl_ptr=state.ctl, BLOCK=BLOCK
     )
     return 2

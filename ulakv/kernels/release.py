@@ -5,8 +5,8 @@ turn stale) and go on the group's GPU free stack (a CPU copy of their entry is f
 rows on top of its CPU free list (handed out before rows that hold copies), in address order, so the
 result is deterministic. Groups share no state, so they run side by side: a request leaves between two
 decode steps, on the same stream, and its release delays the next step by the busiest program. With
-one program for every group, releasing a 128K-token request in a pool of 61 one-layer groups (DSA's
-per-layer indexer) walked 61 x 125 blocks in a row; now each program walks 125.
+one program for every group, releasing a 131,072-token request in a pool of 61 one-layer groups (DSA's
+per-layer indexer) walked 61 x 128 blocks in a row; now each program walks 128.
 """
 
 from __future__ import annotations
