@@ -213,11 +213,26 @@ class TieredState(_Tensors):
     def bucket_words(self) -> int:
         return 1 if self.policy == K.EXACT_LRU else level_offsets(self.gpu_slots)[-1]
 
-    def pblru_kwargs(self, g: int) -> dict[str, object]:
-        """Arguments the planning kernels take for PB-LRU (stand-ins under exact LRU), by their
-        parameter names: bits, bucket words, level offsets, number of levels, stamps, ring size,
-        frontier, its size."""
+    def group_kwargs(self, g: int) -> dict[str, object]:
+        """Group ``g``'s state as both the classify and the apply kernel take it, by their parameter
+        names: GPU slots, control words, mapping, group words, LRU versions and ring, the CPU free
+        list and its copies, counters, and PB-LRU's bitmaps, stamps and frontier (stand-ins under
+        exact LRU)."""
         return {
+            "G": self.gpu_slots,
+            "ctl_ptr": self.ctl,
+            "map_ptr": self.mapping[g],
+            "gctl_ptr": self.gctl[g],
+            "ver_ptr": self.ver[g],
+            "q_slot_ptr": self.q_slot[g],
+            "q_ver_ptr": self.q_ver[g],
+            "Qcap": self.q_slot.shape[1],
+            "cpu_free_ptr": self.cpu_free[g],
+            "C": self.cpu_stack_size,
+            "cpu_pos_ptr": self.cpu_pos[g],
+            "copy_row_ptr": self.copy_row[g],
+            "copy_slot_ptr": self.copy_slot[g],
+            "stats_ptr": self.stats,
             "bits_ptr": self.bits[g],
             "BW": self.bucket_words,
             "lvl_ptr": self.levels,
@@ -299,6 +314,24 @@ class CallScratch(_Tensors):
     @property
     def capacity(self) -> int:
         return self.home.numel()
+
+    def kernel_kwargs(self) -> dict[str, torch.Tensor]:
+        """The scratch both the classify and the apply kernel take, by their parameter names."""
+        return {
+            "home_ptr": self.home,
+            "flags_ptr": self.flags,
+            "counts_ptr": self.counts,
+            "miss_pos_ptr": self.miss_pos,
+            "miss_rank_ptr": self.miss_rank,
+            "cpu_rank_ptr": self.cpu_rank,
+            "first_pos_ptr": self.first_pos,
+            "chunk_off_ptr": self.chunk_off,
+            "victims_ptr": self.victims,
+            "popped_ptr": self.popped,
+            "cand_ptr": self.cand,
+            "seg_ptr": self.seg,
+            "copy_depth_ptr": self.copy_depth,
+        }
 
 
 @dataclass(frozen=True)
