@@ -300,3 +300,26 @@ def test_coordinator_bounds_grow_to_speculative_verify(transform):
     coord.num_real_reqs.fill_(1)
     out = coord.swap_in_selected_pages(torch.tensor([slot]), torch.tensor([10, 10, 10]), topk, 0)
     check_read(store, engine, out, [slot], topk, 0)
+
+
+@pytest.mark.parametrize(
+    ("cls", "method", "args"),
+    [
+        ("UlakvKVPoolMixin", "register_mapping", (torch.zeros(1),)),
+        ("UlakvKVPoolMixin", "transfer_values_on_device", (torch.zeros(1), torch.zeros(1))),
+        ("UlakvKVPoolMixin", "get_cpu_copy", (None,)),
+        ("UlakvKVPoolMixin", "load_cpu_copy", (None, None)),
+        ("UlakvAllocatorMixin", "alloc_device_buffer", (torch.zeros(1), 1)),
+    ],
+    ids=["register-mapping", "transfer-values", "get-cpu-copy", "load-cpu-copy", "alloc-device-buffer"],
+)
+def test_what_is_not_served_is_refused_by_name(cls: str, method: str, args: tuple) -> None:
+    """HiSparse paths the adapter does not serve raise the adapter's error, which is a ``UlakvError``
+    and the ``NotImplementedError`` SGLang's own pools raise for what they do not serve."""
+    from ulakv.errors import UlakvError
+    from ulakv.integrations.sglang import UnsupportedBySGLangAdapter, allocator, kv_pool
+
+    owner = getattr(kv_pool if cls == "UlakvKVPoolMixin" else allocator, cls)
+    with pytest.raises(UnsupportedBySGLangAdapter) as refused:
+        getattr(owner, method)(object(), *args)  # refused before the instance is looked at
+    assert isinstance(refused.value, UlakvError) and isinstance(refused.value, NotImplementedError)

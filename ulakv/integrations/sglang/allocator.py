@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .coordinator import UnsupportedBySGLangAdapter
 from .store import SGLangStore
 
 
@@ -122,7 +123,7 @@ class UlakvAllocatorMixin:
         return self._live(self.logical_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc))
 
     def alloc_device_buffer(self, allocated_indices: torch.Tensor, need_size: int) -> torch.Tensor:
-        raise NotImplementedError("ulakv keeps no per-request device buffer: the GPU cache is shared")
+        raise UnsupportedBySGLangAdapter("ulakv keeps no per-request device buffer: the GPU cache is shared")
 
     def get_last_loc_compressed(self, last_locs: torch.Tensor) -> torch.Tensor:
         return last_locs

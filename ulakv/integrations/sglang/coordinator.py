@@ -35,8 +35,10 @@ from .store import SGLangStore
 Transform = Callable[..., torch.Tensor]
 
 
-class UnsupportedBySGLangAdapter(UlakvError):
-    """An SGLang feature the ulakv adapter does not serve."""
+class UnsupportedBySGLangAdapter(UlakvError, NotImplementedError):
+    """An SGLang feature the ulakv adapter does not serve. A ``NotImplementedError`` too, the type
+    SGLang's own pools raise for what they do not serve (HiSparse's ``get_cpu_copy``), so SGLang
+    code that expects that type handles ours alike."""
 
 
 class Admitted(NamedTuple):

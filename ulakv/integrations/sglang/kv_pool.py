@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .coordinator import UnsupportedBySGLangAdapter
 from .store import SGLangStore, StoreConfig, policy_named
 
 
@@ -106,7 +107,7 @@ class UlakvKVPoolMixin:
     def register_mapping(self, full_to_hisparse_device_index_mapping: torch.Tensor) -> None:
         """HiSparse's allocator hands its ``loc`` -> device-slot table here. The ulakv allocator does
         not call it: where a ``loc`` lives is the pool's mapping, changed only by its kernels."""
-        raise NotImplementedError("the ulakv pool keeps its own mapping; nothing registers one")
+        raise UnsupportedBySGLangAdapter("the ulakv pool keeps its own mapping; nothing registers one")
 
     def translate_loc_to_hisparse_device(self, compressed_indices: torch.Tensor) -> torch.Tensor:
         """Prefill: slots of a ``[tokens, K]`` table of ``loc`` (0 / -1 padding) in the layer whose
@@ -157,12 +158,12 @@ class UlakvKVPoolMixin:
     def transfer_values_on_device(self, dst_indices: torch.Tensor, src_indices: torch.Tensor) -> None:
         """HiSparse copies rows between device slots when speculative decoding rotates its scratch;
         ulakv moves rows only inside its own plans."""
-        raise NotImplementedError("the ulakv pool moves rows only inside its plans")
+        raise UnsupportedBySGLangAdapter("the ulakv pool moves rows only inside its plans")
 
     def get_cpu_copy(self, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
-        raise NotImplementedError("the ulakv pool does not support get_cpu_copy (as HiSparse's)")
+        raise UnsupportedBySGLangAdapter("the ulakv pool does not support get_cpu_copy (as HiSparse's)")
 
     def load_cpu_copy(
         self, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None
     ) -> Any:
-        raise NotImplementedError("the ulakv pool does not support load_cpu_copy (as HiSparse's)")
+        raise UnsupportedBySGLangAdapter("the ulakv pool does not support load_cpu_copy (as HiSparse's)")
