@@ -59,6 +59,7 @@ def release_kernel(
     gpu_top = tl.load(row + K.G_GPU_FREE)
     cpu_top = tl.load(row + K.G_CPU_BOT) + tl.load(row + K.G_CPU_FREE)  # past the free list's top
     cpu_count = tl.load(row + K.G_CPU_FREE)
+    ref = tl.load(row + K.G_ROUND) + 1 if POLICY == K.PBLRU else 0  # PB-LRU's round: fixed for the call
     for i0 in range(0, n, BLOCK):
         a = tl.load(addr_ptr + i0 + ar, mask=i0 + ar < n, other=-1).to(tl.int64)
         im = (i0 + ar < n) & (a >= 0)  # -1: padding (engine-owned addresses)
@@ -74,7 +75,6 @@ def release_kernel(
         tl.store(copy_row_ptr + slot, tl.full((BLOCK,), -1, tl.int32), mask=on_gpu)
         if POLICY == K.PBLRU:
             stamp = tl.load(stamp_ptr + slot, mask=on_gpu, other=0)
-            ref = tl.load(row + K.G_ROUND) + 1
             bucket = buckets.bucket_of(stamp, ref, R).to(tl.int64)
             group_bits = bits_ptr + g * (R + 1) * BW
             buckets.clear_path(group_bits, bucket * BW, lvl_ptr, n_levels, h, on_gpu)
