@@ -31,6 +31,11 @@ Sections, in order (a failed check stops the suite before any timing):
    engine-owned pool of 61 one-layer groups (DSA under SGLang: an indexer per layer), a decode
    step's admission of 256 new tokens, a 16K-token prompt's admission, and its release once its
    rows are written (the GPU full, the rest on the CPU); both policies.
+9. ``compiled``: every variant the device compiled over the sections above, with its registers,
+   spill bytes and the warps an SM keeps resident.
+
+Sections are selectable (``--only prepare requests``); ``--keep-going`` records a failed section and
+runs the rest (one lease on new hardware, every failure seen).
 
 Prints a table per section and writes everything to ``--out`` as JSON. Timings on CPU (smoke) are the
 interpreter's and mean nothing; the smoke run exists so that this script cannot rot (CI runs it).
@@ -47,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +92,7 @@ class Sizes:
     request_tokens: int  # tokens of its prompt
 
 
-FULL = Sizes(1 << 30, 1 << 20, 2048, (1, 8, 64, 256), 16384, 5, 1 << 16, 8, 1 << 16, 8 * 1024, 24, 61, 16384)
+FULL = Sizes(1 << 30, 1 << 20, 2048, (1, 8, 64, 256), 16384, 5, 1 << 16, 8, 1 << 16, 8 * 1024, 32, 61, 16384)
 SMOKE = Sizes(1 << 20, 2048, 16, (1, 4), 64, 1, 512, 2, 2048, 2 * 1024, 6, 3, 96)
 
 
@@ -110,6 +116,26 @@ def timed(fn: Callable[[int], object], reps: int, device: torch.device, warmup: 
             fn(i)
             times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def kernel_us(fn: Callable[[int], object], reps: int, device: torch.device) -> dict[str, float]:
+    """Device microseconds a call of ``fn(i)`` spends in each kernel (the profiler's CUDA
+    activity), by kernel name: beside a wall-clock time, what is GPU work and what is host time."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn(i)
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if us:
+            out[event.key] = out.get(event.key, 0.0) + us / reps
+    return out
 
 
 def timed_after(
@@ -225,7 +251,8 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
             g = layer // 2
             gpu, cpu = as_words(st.gpu_data[layer]), as_words(st.cpu_data[layer])
             args = (live, st.mapping[g], st.gpu_slots, gpu, cpu)
-            if not torch.equal(gather_mod.gather(*args), gather_mod.gather_reference(*args)):
+            # The plain-Python reference builds its rows on the CPU.
+            if not torch.equal(gather_mod.gather(*args).cpu(), gather_mod.gather_reference(*args)):
                 raise AssertionError(f"{policy}: gather differs from its reference in layer {layer}")
         ref = st.clone()
         release_mod.release(live, st)
@@ -260,10 +287,17 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
             data = torch.randint(0, 256, (written.numel(), ROW), dtype=torch.uint8, generator=gen)
             kernels.write(layer, written.to(device), data.to(device))
             refs.write(layer, written, data)
-        hot = torch.randperm(n, generator=gen)[: T // 4]  # picked again every call: hits, ring churn
+        # Two phases, 5/8 and 3/8 of the calls. The first picks a quarter of each selection again
+        # every call and the rest at random: many misses, the GPU fills and evicts both written
+        # entries (copying) and entries swapped in from their CPU rows (clean; at 64 K slots that
+        # took 20 calls, 12 were not enough). The second picks three quarters again: hits leave stale
+        # ring pairs faster than victims retire them, so the exact LRU ring compacts (a quarter alone
+        # never compacted it at 64 K slots: the head's advance kept the ring's span under 2 G).
+        order = torch.randperm(n, generator=gen)
         compactions = 0
         for call in range(sizes.scale_calls):
-            fresh = torch.randint(0, n, (T - T // 4,), generator=gen)
+            hot = order[: (T // 4 if call < sizes.scale_calls * 5 // 8 else 3 * T // 4)]
+            fresh = torch.randint(0, n, (T - hot.numel(),), generator=gen)
             picks = torch.cat([hot, fresh])[torch.randperm(T, generator=gen)]
             sel = seq_ref.addresses[picks].view(-1, 1024 if T % 1024 == 0 else T).to(torch.int32)
             gctl = kernels._state.gctl[0].cpu()
@@ -384,6 +418,7 @@ def prepare_steps(device: torch.device, sizes: Sizes, ceil: dict[str, float]) ->
     """Time a group-step's ``prepare`` at batch x 3 query positions x top-k, next to the time its
     misses' rows take at the measured pinned host-to-device ceiling (what the step cannot beat)."""
     G, K, steps = sizes.gpu_slots, sizes.topk, sizes.steps + 1
+    profiled = 3  # selections after the timed ones, for the profiler's per-kernel device time
     Bmax = max(sizes.batches)
     out = []
     for case in ("fits", "evicting"):
@@ -391,8 +426,9 @@ def prepare_steps(device: torch.device, sizes: Sizes, ceil: dict[str, float]) ->
         filler = 0 if case == "fits" else G
         trace = synthetic(
             SyntheticSpec(
-                requests=Bmax, prompt=(context - steps, context - steps), steps=steps, topk=K, queries=3,
-                groups=1, window=min(128, K // 4), heavy=min(512, K // 4), arrival_spread=0, seed=3,
+                requests=Bmax, prompt=(context - steps - profiled,) * 2, steps=steps + profiled, topk=K,
+                queries=3, groups=1, window=min(128, K // 4), heavy=min(512, K // 4), arrival_spread=0,
+                seed=3,
             )
         )  # fmt: skip
         for policy in (ExactLRU(), PBLRU(8)):
@@ -404,7 +440,7 @@ def prepare_steps(device: torch.device, sizes: Sizes, ceil: dict[str, float]) ->
             write_all(pool, torch.cat([s.addresses for s in seqs]), range(1))
             # Selections as addresses, on the device, before any timing.
             picks = []
-            for s in range(steps):
+            for s in range(steps + profiled):
                 rows = []
                 for b, r in enumerate(trace.requests):
                     pos = r.topk[s, 0].to(device).long()  # [3, K]
@@ -418,6 +454,9 @@ def prepare_steps(device: torch.device, sizes: Sizes, ceil: dict[str, float]) ->
                     secs = timed(lambda i, p=pool, b=batch: p.prepare(0, b[i + 1]), steps - 1, device)
                 after = pool.stats()
                 calls = steps
+                per_kernel = kernel_us(
+                    lambda i, p=pool, b=batch: p.prepare(0, b[steps + i]), profiled, device
+                )
                 misses = (after["misses"] - before["misses"]) / calls
                 out.append(
                     {
@@ -431,6 +470,11 @@ def prepare_steps(device: torch.device, sizes: Sizes, ceil: dict[str, float]) ->
                         "victims_per_step": (after["victims"] - before["victims"]) / calls,
                         "misses_per_step": misses,
                         "us_misses_at_h2d_ceiling": misses * ROW / (ceil["pinned_h2d_GBps"] * 1e9) * 1e6,
+                        # Device time of the call's kernels (the rest of the wall-clock time is host work)
+                        # and the longest kernel, from the profiler on the same selections.
+                        "gpu_us": sum(per_kernel.values()),
+                        "longest_kernel": max(per_kernel, key=per_kernel.get, default="-"),
+                        "longest_us": max(per_kernel.values(), default=0.0),
                     }
                 )
             del pool
@@ -473,7 +517,7 @@ def graph_step(device: torch.device, sizes: Sizes) -> dict:
         torch.cuda.synchronize()
         for layer in range(layers):
             got = pool.gpu_buffer(layer)[step.slots.long()].cpu()
-            want = pool.read(layer, sel.reshape(-1)).reshape(got.shape)
+            want = pool.read(layer, sel.reshape(-1)).reshape(got.shape).cpu()
             if not torch.equal(got, want):
                 raise AssertionError(f"graph replay: layer {layer} slots do not hold their bytes")
             checked += got.shape[0] * got.shape[1]
@@ -529,7 +573,7 @@ def _striped_step(device: torch.device, sizes: Sizes, attention: str) -> dict:
         pool.check()  # a refusal recorded by a replay raises here
         for layer in range(2):
             got = pool.gpu_buffer(layer)[slots.long()].cpu()
-            want = pool.read(layer, sel.reshape(-1)).reshape(got.shape)
+            want = pool.read(layer, sel.reshape(-1)).reshape(got.shape).cpu()
             if not torch.equal(got, want):
                 raise AssertionError(f"striped {attention} graph replay: layer {layer} slots are wrong")
             checked += got.shape[0] * got.shape[1]
@@ -597,6 +641,49 @@ def request_calls(device: torch.device, sizes: Sizes) -> list[dict]:
     return out
 
 
+# -- 9. what the device compiled -------------------------------------------------------------------
+def compiled_variants(device: torch.device) -> list[dict]:
+    """Every variant of every ulakv kernel this process compiled, as the device's loader reports
+    it: registers a thread, spill bytes, warps, shared memory, and the warps an SM keeps resident
+    (64 at most on sm_90: the latency a memory-bound kernel can hide). Read after every other
+    section ran, so the variant count is the suite's whole serving mix."""
+    import importlib
+    import pkgutil
+
+    import ulakv.kernels
+    from ulakv.kernels._triton import triton
+
+    if device.type != "cuda":
+        return []
+    props = torch.cuda.get_device_properties(device)
+    regs_per_sm, smem_per_sm = 65536, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    rows = []
+    for info in pkgutil.iter_modules(ulakv.kernels.__path__):
+        module = importlib.import_module(f"ulakv.kernels.{info.name}")
+        for name, fn in vars(module).items():
+            if not isinstance(fn, triton.runtime.jit.JITFunction) or fn.__module__ != module.__name__:
+                continue
+            for caches in fn.device_caches.values():
+                for kernel in caches[0].values():
+                    kernel._init_handles()
+                    warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
+                    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated 256 at a time
+                    blocks = min(32, 64 // warps, regs_per_sm // max(1, regs_per_warp * warps))
+                    if shared:
+                        blocks = min(blocks, smem_per_sm // shared)
+                    rows.append(
+                        {
+                            "kernel": f"{info.name}.{name}",
+                            "regs": kernel.n_regs,
+                            "spills": kernel.n_spills,
+                            "warps": warps,
+                            "shared": shared,
+                            "resident_warps": blocks * warps,
+                        }
+                    )
+    return rows
+
+
 def meta(device: torch.device, smoke: bool) -> dict:
     import triton
 
@@ -616,44 +703,108 @@ def meta(device: torch.device, smoke: bool) -> dict:
     }
 
 
+def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callable[[dict], object]]]:
+    """The suite's sections in order: (name, table title, run given the results so far)."""
+    return [
+        (
+            "correctness",
+            "correctness: kernels against references on this device",
+            lambda r: correctness(device),
+        ),
+        (
+            "correctness_at_scale",
+            "correctness at real shapes: device kernels against references on the CPU",
+            lambda r: correctness_at_scale(device, sizes),
+        ),
+        ("ceilings", "ceilings (GB/s)", lambda r: ceilings(device, sizes)),
+        (
+            "gather",
+            f"gather of selected {ROW}-byte rows, top-k {sizes.topk}",
+            lambda r: gather_rows(device, sizes, r["ceilings"]),
+        ),
+        (
+            "swap_in",
+            "swap-in from pinned CPU rows (prepare, GPU full)",
+            lambda r: swap_in(device, sizes, r["ceilings"]),
+        ),
+        (
+            "prepare",
+            f"prepare per group-step, {sizes.gpu_slots} GPU slots, top-k {sizes.topk}",
+            lambda r: prepare_steps(device, sizes, r["ceilings"]),
+        ),
+        ("graph", "one engine step in a CUDA graph", lambda r: graph_step(device, sizes)),
+        (
+            "striped_graph",
+            "a striped rank's prepare in a CUDA graph (world 1)",
+            lambda r: striped_graph(device, sizes),
+        ),
+        (
+            "requests",
+            "a request's admission and release (engine-owned pool)",
+            lambda r: request_calls(device, sizes),
+        ),
+        (
+            "compiled",
+            "compiled variants: registers, spills, resident warps",
+            lambda r: compiled_variants(device),
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU under the interpreter")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these sections (by name)")
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="record a failed section's error and run the rest (a first run on new hardware: one lease, "
+        "every failure); without it the first failure stops the suite before any timing",
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         parser.error("the full suite needs a CUDA device; use --smoke on CPU")
     sizes = SMOKE if args.smoke else FULL
+    known = sections(device, sizes)
+    if args.only is not None and not set(args.only) <= {name for name, _, _ in known}:
+        parser.error(f"unknown sections {sorted(set(args.only) - {n for n, _, _ in known})}")
     started = time.perf_counter()
-    results = {"meta": meta(device, args.smoke)}
-    print(json.dumps(results["meta"]))
-    results["correctness"] = correctness(device)
-    table("correctness: kernels against references on this device", results["correctness"])
-    results["correctness_at_scale"] = correctness_at_scale(device, sizes)
-    table(
-        "correctness at real shapes: device kernels against references on the CPU",
-        results["correctness_at_scale"],
-    )
-    results["ceilings"] = ceilings(device, sizes)
-    table("ceilings (GB/s)", [results["ceilings"]])
-    results["gather"] = gather_rows(device, sizes, results["ceilings"])
-    table(f"gather of selected {ROW}-byte rows, top-k {sizes.topk}", results["gather"])
-    results["swap_in"] = swap_in(device, sizes, results["ceilings"])
-    table("swap-in from pinned CPU rows (prepare, GPU full)", results["swap_in"])
-    results["prepare"] = prepare_steps(device, sizes, results["ceilings"])
-    table(f"prepare per group-step, {sizes.gpu_slots} GPU slots, top-k {sizes.topk}", results["prepare"])
-    results["graph"] = graph_step(device, sizes)
-    table("one engine step in a CUDA graph", [results["graph"]])
-    results["striped_graph"] = striped_graph(device, sizes)
-    table("a striped rank's prepare in a CUDA graph (world 1)", results["striped_graph"])
-    results["requests"] = request_calls(device, sizes)
-    table("a request's admission and release (engine-owned pool)", results["requests"])
+    results: dict = {"meta": meta(device, args.smoke), "errors": {}}
+    print(json.dumps(results["meta"]), flush=True)
+    for name, title, run in known:
+        # The copy ceilings are what gather, swap-in and prepare are measured against.
+        wanted = args.only is None or name in args.only
+        if name == "ceilings" and args.only is not None:
+            wanted = bool({"gather", "swap_in", "prepare"} & set(args.only)) or wanted
+        if not wanted:
+            continue
+        section_start = time.perf_counter()
+        try:
+            results[name] = run(results)
+        except Exception:  # recorded, then re-raised unless --keep-going
+            results["errors"][name] = traceback.format_exc()
+            print(f"\n== {title}: FAILED after {time.perf_counter() - section_start:.1f} s", flush=True)
+            print(results["errors"][name], flush=True)
+            if not args.keep_going:
+                _write(args.out, results)
+                raise
+            continue
+        table(title, results[name] if isinstance(results[name], list) else [results[name]])
+        print(f"({name}: {time.perf_counter() - section_start:.1f} s)", flush=True)
+        _write(args.out, results)  # what finished survives a later section's crash or timeout
     results["meta"]["seconds"] = time.perf_counter() - started
     print(f"\ndone in {results['meta']['seconds']:.1f} s")
-    if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=1))
+    _write(args.out, results)
+    if results["errors"]:
+        raise SystemExit(f"failed sections: {sorted(results['errors'])}")
     return results
+
+
+def _write(out: Path | None, results: dict) -> None:
+    if out is not None:
+        out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
+    assert results["errors"] == {}
     assert [row["result"] for row in results["correctness"]] == ["bit-identical"] * 2
     scale = results["correctness_at_scale"]
     assert [row["result"] for row in scale] == ["bit-identical"] * 2
@@ -36,7 +37,32 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
     cases = {(row["case"], row["policy"]) for row in results["prepare"]}
     assert len(cases) == 4 and all(row["launches"] == 3 for row in results["prepare"])
     assert all(row["victims_per_step"] == 0 for row in results["prepare"] if row["case"] == "fits")
+    assert all({"gpu_us", "longest_kernel"} <= row.keys() for row in results["prepare"])
+    assert results["compiled"] == []  # the loader's figures exist only on a GPU
     assert results["graph"]["eager_us"] > 0
     assert [row["attention"] for row in results["striped_graph"]] == ["fetch", "local"]
     requests = results["requests"]
     assert len(requests) == 6 and all(row["us"] > 0 and row["groups"] == 3 for row in requests)
+
+
+def test_gpu_suite_runs_the_sections_asked_for(tmp_path: Path) -> None:
+    out = tmp_path / "only.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_suite.py"),
+            "--smoke",
+            "--only",
+            "gather",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert {"ceilings", "gather"} <= results.keys() and "correctness" not in results
