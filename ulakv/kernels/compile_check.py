@@ -5,7 +5,13 @@ branch, a loop-carried value that changes type, an unsupported op). This tool dr
 through admit, write, prepare, read and release with every launch intercepted: instead of running,
 each distinct specialisation is compiled to a cubin for ``sm_<arch>`` with Triton's own toolchain.
 
-    python -m ulakv.kernels.compile_check [--arch 90]
+    python -m ulakv.kernels.compile_check [--arch 90] [--json variants.json]
+
+It prints, for every variant, what decides how an SM runs it: registers a thread, the stack frame
+(spilled registers), shared memory, warps, the warps an SM keeps resident, and the widest global
+load and store in the PTX (a row moved 16 bytes at a time shows 128 bits). It stays in the package
+because users need it too: every variant of their pool's kernels checked for an architecture on a
+machine without that GPU.
 
 A launch is intercepted inside Triton's own ``JITFunction.run`` (``intercept_launches``): Triton binds
 the arguments and computes the specialisation key exactly as on a GPU (divisibility by 16 and
@@ -20,9 +26,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 # What a launch hands to ``intercept_launches``' callback: the JITFunction, Triton's cache key of
@@ -122,31 +134,98 @@ def drive_pool() -> None:
     compact_slots(slots)
 
 
-def compile_all(arch: int = 90) -> dict[str, int]:
-    """Drive a small pool and compile each kernel specialisation it launches; returns the number
-    of variants compiled per kernel name."""
+@dataclass(frozen=True)
+class Variant:
+    """One compiled specialisation of a kernel, as the sm_<arch> cubin and its PTX report it."""
+
+    kernel: str
+    registers: int  # a thread
+    stack_bytes: int  # the local stack frame a thread: spilled registers (Triton keeps no local arrays)
+    shared_bytes: int  # dynamic shared memory a program
+    warps: int  # a program
+    widest_load_bits: int  # widest ld.global in the PTX (a row moved 16 bytes at a time: 128)
+    widest_store_bits: int
+
+    @property
+    def resident_warps(self) -> int:
+        """Warps an SM keeps resident on Hopper: 65,536 registers allocated 256 to a warp, 64 warps
+        and 32 programs at most, 228 KiB of shared memory with 1 KiB reserved a program. A
+        memory-bound kernel hides latency with resident warps; 8 of 64 cannot hide HBM's."""
+        per_warp = -(-self.registers * 32 // 256) * 256
+        programs = min(32, 64 // self.warps, 65536 // per_warp // self.warps)
+        programs = min(programs, (228 * 1024) // (self.shared_bytes + 1024))
+        return programs * self.warps
+
+
+_PTX_WIDTHS = {"b8": 8, "b16": 16, "b32": 32, "b64": 64, "u8": 8, "u16": 16, "u32": 32, "u64": 64}
+
+
+def _widest(ptx: str, op: str) -> int:
+    """Bits of the widest global access ``op`` (ld or st) in ``ptx``: lanes x element bits."""
+    widest = 0
+    for lanes, kind in re.findall(rf"\b{op}\.global(?:\.[a-z_]+)*?(?:\.v(\d))?\.([bu]\d+)\b", ptx):
+        widest = max(widest, int(lanes or 1) * _PTX_WIDTHS.get(kind, 0))
+    return widest
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) of the cubin's one function, read by the cuobjdump Triton ships."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    if found is None:
+        raise RuntimeError(f"cuobjdump reported no resource usage: {text!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def compile_all(arch: int = 90) -> list[Variant]:
+    """Drive a small pool and compile each kernel specialisation it launches; returns every
+    distinct variant with its resources, in the order first launched."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", arch, 32)
-    compiled: dict[str, set[str]] = {}
+    seen: set[tuple[str, str]] = set()
+    variants: list[Variant] = []
 
     def compile_instead_of_launch(fn: Any, key: str, what: dict) -> None:
-        keys = compiled.setdefault(fn.fn.__name__, set())
-        if key not in keys:
-            attrs = what["configs"][0]
-            triton.compile(ASTSource(fn, what["signature"], what["constants"], attrs), target=target)
-            keys.add(key)
+        name = fn.fn.__name__
+        if (name, key) in seen:
+            return
+        seen.add((name, key))
+        attrs = what["configs"][0]
+        kernel = triton.compile(ASTSource(fn, what["signature"], what["constants"], attrs), target=target)
+        registers, stack = _resources(kernel.asm["cubin"])
+        ptx = kernel.asm["ptx"]
+        variants.append(
+            Variant(
+                kernel=name,
+                registers=registers,
+                stack_bytes=stack,
+                shared_bytes=kernel.metadata.shared,
+                warps=kernel.metadata.num_warps,
+                widest_load_bits=_widest(ptx, "ld"),
+                widest_store_bits=_widest(ptx, "st"),
+            )
+        )
 
     with intercept_launches(arch, compile_instead_of_launch):
         drive_pool()
-    return {name: len(keys) for name, keys in sorted(compiled.items())}
+    return variants
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="SM version, e.g. 90 for H100/H200")
+    parser.add_argument("--json", type=Path, default=None, help="also write every variant's report here")
     args = parser.parse_args()
     from ._triton import INTERPRETED
 
@@ -154,8 +233,22 @@ def main() -> None:
         env = {**os.environ, "TRITON_INTERPRET": "0"}
         os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], env)
     variants = compile_all(args.arch)
-    print(f"compiled for sm_{args.arch}: {', '.join(variants)}")
-    print(f"variants: {sum(variants.values())} ({', '.join(f'{k} {n}' for k, n in variants.items())})")
+    counts: dict[str, int] = {}
+    for v in variants:
+        counts[v.kernel] = counts.get(v.kernel, 0) + 1
+    names = sorted(counts)
+    print(f"compiled for sm_{args.arch}: {', '.join(names)}")
+    print(f"variants: {len(variants)} ({', '.join(f'{k} {counts[k]}' for k in names)})")
+    print("kernel | registers | stack (B) | shared (B) | warps | resident warps | widest load | widest store")
+    for v in sorted(variants, key=lambda v: v.kernel):
+        print(
+            f"{v.kernel} | {v.registers} | {v.stack_bytes} | {v.shared_bytes} | {v.warps} | "
+            f"{v.resident_warps} | {v.widest_load_bits} | {v.widest_store_bits}"
+        )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps([{**asdict(v), "resident_warps": v.resident_warps} for v in variants])
+        )
 
 
 if __name__ == "__main__":

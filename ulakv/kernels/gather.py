@@ -8,38 +8,65 @@ from __future__ import annotations
 import torch
 
 from . import common as K
-from ._triton import tl, triton
+from ._triton import INTERPRETED, tl, triton
+from .rows import unit_offsets, vector_unit, vectors_per_row
 
-ROWS = 16
+# Rows a program moves. On a GPU 8 rows x 64 vectors x 16 B (656-byte rows: 41 vectors, the axis
+# rounded up to 64) is 8 KiB a program: 40 registers a thread, 48 warps resident an SM on sm_90 (16
+# rows took 80 registers and 24 warps). The interpreter pays per operation, not per element, and
+# takes 4x larger tiles.
+ROWS = 32 if INTERPRETED else 8
 
 
-# Not specialised: n (varies), G (pool constant, no vectorisable access), the alignment of the caller's
-# addresses, of group g's mapping row and of layer l's rows (offset l x rows x W: a slow path, not worth
-# wide loads). Specialised: W (row width, fixed per pool), out_ptr (a fresh tensor), constexprs.
+# Not specialised: n (varies), G (pool constant, no vectorisable access), the alignment of every
+# pointer (a layer's rows sit at layer x rows x W: the launcher checks their alignment and picks the
+# vector width ``UNIT``, ``ulakv.kernels.rows``). Specialised: V (row width in vectors, fixed per
+# pool), constexprs. One variant a pool.
 @triton.jit(
-    do_not_specialize=["n", "G"], do_not_specialize_on_alignment=["addr_ptr", "map_ptr", "gpu_ptr", "cpu_ptr"]
+    do_not_specialize=["n", "G"],
+    do_not_specialize_on_alignment=["addr_ptr", "map_ptr", "gpu_ptr", "cpu_ptr", "out_ptr"],
 )
 def gather_kernel(
-    addr_ptr, n, map_ptr, G, gpu_ptr, cpu_ptr, out_ptr, W, ROWS: tl.constexpr, WORDS: tl.constexpr
+    addr_ptr,
+    n,
+    map_ptr,
+    G,
+    gpu_ptr,
+    cpu_ptr,
+    out_ptr,
+    V,
+    ROWS: tl.constexpr,
+    VECS: tl.constexpr,
+    UNIT: tl.constexpr,
+    UNIT_BYTES: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     im = i < n
     a = tl.load(addr_ptr + i, mask=im, other=0).to(tl.int64)
     h = tl.load(map_ptr + a, mask=im, other=K.M_UNHOMED).to(tl.int64)
-    w = tl.arange(0, WORDS)
-    wm = w[None, :] < W
-    on_gpu = (im & (h >= 0) & (h < G))[:, None] & wm
-    on_cpu = (im & (h >= G))[:, None] & wm
-    row = tl.load(gpu_ptr + h[:, None] * W + w[None, :], mask=on_gpu, other=0)
-    row = tl.where(on_cpu, tl.load(cpu_ptr + (h - G)[:, None] * W + w[None, :], mask=on_cpu, other=0), row)
-    tl.store(out_ptr + i[:, None] * W + w[None, :], row, mask=im[:, None] & wm)
+    on_gpu = im & (h >= 0) & (h < G)
+    on_cpu = im & (h >= G)
+    src, vm = unit_offsets(tl.where(on_cpu, h - G, h), V, VECS, UNIT)
+    dst, _ = unit_offsets(i, V, VECS, UNIT)
+    # Every vector starts UNIT_BYTES into aligned memory (the launcher checked): one access a vector.
+    B: tl.constexpr = UNIT_BYTES
+    gpu_rows = tl.max_contiguous(tl.multiple_of(gpu_ptr + src, [B, B, B]), [1, 1, UNIT])
+    cpu_rows = tl.max_contiguous(tl.multiple_of(cpu_ptr + src, [B, B, B]), [1, 1, UNIT])
+    out_rows = tl.max_contiguous(tl.multiple_of(out_ptr + dst, [B, B, B]), [1, 1, UNIT])
+    row = tl.load(gpu_rows, mask=on_gpu[:, None, None] & vm, other=0)
+    row = tl.where(on_cpu[:, None, None], tl.load(cpu_rows, mask=on_cpu[:, None, None] & vm, other=0), row)
+    tl.store(out_rows, row, mask=im[:, None, None] & vm)
 
 
 def gather(addrs, mapping, gpu_slots: int, gpu_layer, cpu_layer) -> torch.Tensor:
-    """Rows ``[n, words]`` of ``addrs`` from one layer's GPU and CPU buffers (word views)."""
+    """Rows ``[n, W]`` of ``addrs`` (int64 ``[n]``) from one layer's GPU and CPU buffers (word or
+    byte views ``[slots, W]``); an address with no home reads as zeros. One launch, no host sync;
+    rows move in the widest vectors their width and alignment allow (16 B for 656-byte rows)."""
     n, W = addrs.numel(), gpu_layer.shape[-1]
     out = torch.empty((n, W), dtype=gpu_layer.dtype, device=gpu_layer.device)
     if n:
+        unit = vector_unit(W, gpu_layer, cpu_layer, out)
+        vectors, vecs = vectors_per_row(W, unit)
         gather_kernel[(triton.cdiv(n, ROWS),)](
             addr_ptr=addrs,
             n=n,
@@ -48,9 +75,11 @@ def gather(addrs, mapping, gpu_slots: int, gpu_layer, cpu_layer) -> torch.Tensor
             gpu_ptr=gpu_layer,
             cpu_ptr=cpu_layer,
             out_ptr=out,
-            W=W,
+            V=vectors,
             ROWS=ROWS,
-            WORDS=K.next_pow2(W),
+            VECS=vecs,
+            UNIT=unit,
+            UNIT_BYTES=unit * out.element_size(),
         )
     return out
 

@@ -1,0 +1,60 @@
+"""Rows moved in 16-byte vectors: how the kernels address a row, and when they may.
+
+A row of ``W`` elements (int32 words, or bytes when the width is not a multiple of 4: see
+``operands.moves_words``) is moved as ``W // UNIT`` vectors of ``UNIT`` elements. The widest global
+access sm_90 has is 16 bytes (``ld.global.v4.b32`` / ``st.global.v4.b32``): a 656-byte row is 41 of
+them against 164 single words, a quarter of the memory instructions. Triton emits the wide access
+only when it can prove every vector starts 16 bytes into aligned memory, so the kernels address a
+row as a ``[rows, VECS, UNIT]`` tile (``unit_offsets``) and state the alignment where they access
+memory, ``tl.max_contiguous(tl.multiple_of(ptr + offsets, [B, B, B]), [1, 1, UNIT])`` with ``B`` the
+vector's bytes (written at the access: a hint returned from a device function is lost); the
+launcher picks ``UNIT`` (``vector_unit``) so that the statement is true: the width a multiple of
+``UNIT`` and every base pointer aligned to ``UNIT`` elements. Widths that allow less get narrower
+vectors (8, 4, 2 bytes or single elements) from the same code.
+
+The alignment is a launch-time fact, not a specialisation: the kernels keep their pointers out of
+Triton's alignment specialisation (one binary whatever the layer's offset), and ``UNIT`` is the one
+constexpr that changes with it: a pool whose rows are all 16-byte aligned compiles one variant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import tl, triton
+
+VECTOR_BYTES = 16  # the widest global load and store of sm_90
+
+
+def vector_unit(width: int, *rows: torch.Tensor) -> int:
+    """Elements a vector of the rows ``rows`` (tensors whose last dimension is ``width``
+    elements, all of one element size, packed) may hold: the largest power of two whose bytes are
+    at most ``VECTOR_BYTES``, that divides ``width``, and to whose bytes every tensor's first
+    element is aligned (a meta tensor has no memory to misalign)."""
+    size = rows[0].element_size()
+    unit = VECTOR_BYTES // size
+    while unit > 1:
+        fits = width % unit == 0 and all(
+            t.device.type == "meta" or t.data_ptr() % (unit * size) == 0 for t in rows
+        )
+        if fits:
+            return unit
+        unit //= 2
+    return 1
+
+
+def vectors_per_row(width: int, unit: int) -> tuple[int, int]:
+    """(vectors a row holds, the power of two a tile's vector axis spans)."""
+    vectors = width // unit
+    return vectors, triton.next_power_of_2(vectors)
+
+
+@triton.jit
+def unit_offsets(rows, V, VECS: tl.constexpr, UNIT: tl.constexpr):
+    """Element offsets ``[R, VECS, UNIT]`` of rows ``rows`` (``[R]`` int64) of ``V`` vectors of
+    ``UNIT`` elements, and the mask ``[1, VECS, 1]`` of the vectors a row has (``VECS`` is ``V``
+    rounded up to a power of two)."""
+    v = tl.arange(0, VECS)
+    u = tl.arange(0, UNIT)
+    offsets = (rows[:, None, None] * V + v[None, :, None]) * UNIT + u[None, None, :]
+    return offsets, (v < V)[None, :, None]
