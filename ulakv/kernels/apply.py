@@ -40,6 +40,7 @@ from . import common as K
 from ._triton import INTERPRETED, tl, triton
 from .buckets import PBLRUBits
 from .operands import as_words
+from .rows import load_units, store_units, unit_offsets, vector_unit, vectors_per_row
 from .victims import control_word, victim_cleans, victim_slot, victim_slots
 
 # Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
@@ -95,8 +96,9 @@ def _miss_tile(
 
 # Not specialised: T, G, Qcap, L (short last group), write_layer, phase and in-layer bounds, layer0 (all
 # vary per call or feed no vectorisable access); the alignment of the caller's selection, rows and slots
-# (any view) and of group g's rows of [groups, ...] state. Specialised: W and the layer strides (fixed per
-# pool; W % 16 == 0 gives 16-byte row loads), gpu_ptr/cpu_ptr (the whole pool's rows, offset by layer0
+# (any view) and of group g's rows of [groups, ...] state. Specialised: n_vec (vectors a row) and the
+# layer strides (fixed per pool; rows move in UNIT-element vectors, 16 bytes where the launcher found
+# them aligned), gpu_ptr/cpu_ptr (the whole pool's rows, offset by layer0
 # in the kernel so alignment never changes), scratch and fetched rows (whole allocations), constexprs.
 # (Before: up to 30 apply variants in tests/test_compile_variants.py's serving loop; now 2.)
 @triton.jit(
@@ -163,7 +165,7 @@ def apply_kernel(
     L,
     gpu_layer_stride,
     cpu_layer_stride,
-    W,
+    n_vec,
     rows_ptr,
     write_layer,
     slots_ptr,
@@ -197,7 +199,9 @@ def apply_kernel(
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
-    WORDS: tl.constexpr,
+    VECS: tl.constexpr,
+    UNIT: tl.constexpr,
+    UNIT_BYTES: tl.constexpr,
     CACHE: tl.constexpr,
 ):
     # Program (c, t) moves misses t * ROWS .. t * ROWS + ROWS of chunk c and writes that tile of the
@@ -235,8 +239,7 @@ def apply_kernel(
         V = control_word(ctl, K.E_VICTIMS)
         segments = control_word(ctl, K.E_SEGMENTS)
         fill = control_word(ctl, K.E_FILL)
-        w = tl.arange(0, WORDS)
-        wm = w < W
+        vm = (tl.arange(0, VECS) < n_vec)[None, :, None]  # a row's vectors (the axis is a power of two)
         has_misses = r0 < n_miss
         p, a, src, mm, has_slot, v, fills, before, popping, cpu_row = _miss_tile(
             r0,
@@ -283,12 +286,12 @@ def apply_kernel(
         if run_out and not CACHE:
             if has_misses:
                 old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
-                evict = (has_slot & popping & (old >= 0) & ~clean)[:, None] & wm[None, :]
-                v2 = v.to(tl.int64)[:, None] * W + w[None, :]
-                dest2 = cpu_row.to(tl.int64)[:, None] * W + w[None, :]
+                evict = (has_slot & popping & (old >= 0) & ~clean)[:, None, None] & vm
+                v2, _ = unit_offsets(v.to(tl.int64), n_vec, VECS, UNIT)
+                dest2, _ = unit_offsets(cpu_row.to(tl.int64), n_vec, VECS, UNIT)
                 for layer in range(L):
-                    row = tl.load(gpu_ptr + layer * gpu_layer_stride + v2, mask=evict, other=0)
-                    tl.store(cpu_ptr + layer * cpu_layer_stride + dest2, row, mask=evict)
+                    row = load_units(gpu_ptr + layer * gpu_layer_stride, v2, evict, UNIT, UNIT_BYTES)
+                    store_units(cpu_ptr + layer * cpu_layer_stride, dest2, row, evict, UNIT, UNIT_BYTES)
         tl.debug_barrier()  # data before mapping
 
         # -- evict: victims now live on the CPU; output slots --------------------------------------
@@ -346,33 +349,32 @@ def apply_kernel(
         # -- in: misses' rows, layers [in_lo, in_hi), into their GPU slots --------------------------
         if run_in:
             if has_misses:
-                from_cpu = (mm & (src >= G))[:, None] & wm[None, :]
-                src2 = (src - G).to(tl.int64)[:, None] * W + w[None, :]
-                to_gpu = has_slot[:, None] & wm[None, :]
-                to_cpu = (mm & ~has_slot)[:, None] & wm[None, :]
-                g2 = v.to(tl.int64)[:, None] * W + w[None, :]
-                c2 = cpu_row.to(tl.int64)[:, None] * W + w[None, :]
+                from_cpu = (mm & (src >= G))[:, None, None] & vm
+                src2, _ = unit_offsets((src - G).to(tl.int64), n_vec, VECS, UNIT)
+                to_gpu = has_slot[:, None, None] & vm
+                to_cpu = (mm & ~has_slot)[:, None, None] & vm
+                g2, _ = unit_offsets(v.to(tl.int64), n_vec, VECS, UNIT)
+                c2, _ = unit_offsets(cpu_row.to(tl.int64), n_vec, VECS, UNIT)
                 if WRITE:
-                    new_row = tl.load(
-                        rows_ptr + p.to(tl.int64)[:, None] * W + w[None, :], mask=to_gpu | to_cpu, other=0
-                    )
+                    p2, _ = unit_offsets(p.to(tl.int64), n_vec, VECS, UNIT)
+                    new_row = load_units(rows_ptr, p2, to_gpu | to_cpu, UNIT, UNIT_BYTES)
                 if CACHE:  # rows fetched from their home ranks, every layer of the group: miss j's
                     # is row fetch_row[j] (an all-gather's output is in home order, not miss order)
                     miss_j = m_off + r0 + tl.arange(0, ROWS)
                     f_row = tl.load(fetch_row_ptr + miss_j, mask=has_slot, other=0).to(tl.int64)
-                    f2 = f_row[:, None] * (L * W) + w[None, :]
                 for layer in range(in_lo, in_hi):
                     # An entry with no CPU row yet (never written) starts as zeros.
                     if CACHE:
-                        row = tl.load(fetched_ptr + f2 + layer * W, mask=to_gpu, other=0)
+                        f2, _ = unit_offsets(f_row * L + layer, n_vec, VECS, UNIT)
+                        row = load_units(fetched_ptr, f2, to_gpu, UNIT, UNIT_BYTES)
                     else:
-                        row = tl.load(cpu_ptr + layer * cpu_layer_stride + src2, mask=from_cpu, other=0)
+                        row = load_units(cpu_ptr + layer * cpu_layer_stride, src2, from_cpu, UNIT, UNIT_BYTES)
                     if WRITE:
-                        is_written = (tl.zeros((ROWS, WORDS), tl.int32) + layer) == write_layer
+                        is_written = (tl.zeros((ROWS, VECS, UNIT), tl.int32) + layer) == write_layer
                         row = tl.where(is_written, new_row, row)
-                    tl.store(gpu_ptr + layer * gpu_layer_stride + g2, row, mask=to_gpu)
+                    store_units(gpu_ptr + layer * gpu_layer_stride, g2, row, to_gpu, UNIT, UNIT_BYTES)
                     if not CACHE:  # a buffer's misses always get a slot (max_selection <= slots)
-                        tl.store(cpu_ptr + layer * cpu_layer_stride + c2, row, mask=to_cpu)
+                        store_units(cpu_ptr + layer * cpu_layer_stride, c2, row, to_cpu, UNIT, UNIT_BYTES)
             if WRITE:
                 _write_homed(
                     base + r0,
@@ -387,9 +389,10 @@ def apply_kernel(
                     write_layer,
                     gpu_layer_stride,
                     cpu_layer_stride,
-                    W,
-                    w,
-                    wm,
+                    n_vec,
+                    VECS,
+                    UNIT,
+                    UNIT_BYTES,
                     ROWS,
                 )
         tl.debug_barrier()  # data before mapping
@@ -500,9 +503,10 @@ def _write_homed(
     write_layer,
     gpu_layer_stride,
     cpu_layer_stride,
-    W,
-    w,
-    wm,
+    n_vec,
+    VECS: tl.constexpr,
+    UNIT: tl.constexpr,
+    UNIT_BYTES: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """A write's rows for the elements ``e0 .. e0 + ROWS`` whose entries were homed before the call,
@@ -517,10 +521,19 @@ def _write_homed(
     to_gpu = em & (((f & K.F_GPU) != 0) | ((f & K.F_PAD) != 0))
     to_cpu = em & ((f & K.F_CPU) != 0)
     h = tl.where((f & K.F_PAD) != 0, G, h)
-    row = tl.load(rows_ptr + e[:, None] * W + w[None, :], mask=em[:, None] & wm[None, :], other=0)
-    tl.store(g_row + h.to(tl.int64)[:, None] * W + w[None, :], row, mask=to_gpu[:, None] & wm[None, :])
+    vm = (tl.arange(0, VECS) < n_vec)[None, :, None]
+    e2, _ = unit_offsets(e, n_vec, VECS, UNIT)
+    row = load_units(rows_ptr, e2, em[:, None, None] & vm, UNIT, UNIT_BYTES)
+    h2, _ = unit_offsets(h.to(tl.int64), n_vec, VECS, UNIT)
+    store_units(g_row, h2, row, to_gpu[:, None, None] & vm, UNIT, UNIT_BYTES)
     tl.store(copy_row_ptr + h, tl.full((ROWS,), -1, tl.int32), mask=em & ((f & K.F_GPU) != 0))
-    tl.store(c_row + (h - G).to(tl.int64)[:, None] * W + w[None, :], row, mask=to_cpu[:, None] & wm[None, :])
+    hc2, _ = unit_offsets((h - G).to(tl.int64), n_vec, VECS, UNIT)
+    store_units(c_row, hc2, row, to_cpu[:, None, None] & vm, UNIT, UNIT_BYTES)
+
+
+def _aligned_to(t: torch.Tensor, unit: int) -> bool:
+    """Whether ``t``'s first element is aligned to a vector of ``unit`` elements."""
+    return t.device.type == "meta" or t.data_ptr() % (unit * t.element_size()) == 0
 
 
 def apply(
@@ -558,6 +571,17 @@ def apply(
     fetched = (fetched if fetched is not None else scratch.victims).view(gpu.dtype)
     fetch_rows = fetch_rows if fetch_rows is not None else scratch.victims
     rows_per_tile = ROWS
+    # Rows move in the widest vectors the pool's rows allow (16 B for 656-byte rows). A caller's
+    # rows or fetched rows that sit off that alignment (a view at an odd offset) are copied once,
+    # so that the pool keeps one variant.
+    unit = vector_unit(W, gpu, cpu)
+    while gpu.stride(0) % unit or cpu.stride(0) % unit:  # a layer must start on a vector too
+        unit //= 2
+    if write and not _aligned_to(rows, unit):
+        rows = rows.clone()
+    if st.CACHE and not _aligned_to(fetched, unit):
+        fetched = fetched.clone()
+    vectors, vecs = vectors_per_row(W, unit)
     # A chunk's tiles: enough for its elements (a call smaller than a chunk launches fewer).
     tiles = triton.cdiv(min(T, K.CHUNK), rows_per_tile)
     apply_kernel[(triton.cdiv(T, K.CHUNK), tiles)](
@@ -569,7 +593,7 @@ def apply(
         L=len(layers),
         gpu_layer_stride=gpu.stride(0),
         cpu_layer_stride=cpu.stride(0),
-        W=W,
+        n_vec=vectors,
         rows_ptr=rows if write else scratch.victims,
         write_layer=write_layer - layers.start,
         slots_ptr=scratch.victims if write else slots,
@@ -588,7 +612,9 @@ def apply(
         POLICY=st.policy,
         CHUNK=K.CHUNK,
         ROWS=rows_per_tile,
-        WORDS=K.next_pow2(W),
+        VECS=vecs,
+        UNIT=unit,
+        UNIT_BYTES=unit * gpu.element_size(),
         CACHE=st.CACHE,
     )
     return 1

@@ -9,7 +9,7 @@ import torch
 
 from . import common as K
 from ._triton import INTERPRETED, tl, triton
-from .rows import unit_offsets, vector_unit, vectors_per_row
+from .rows import load_units, store_units, unit_offsets, vector_unit, vectors_per_row
 
 # Rows a program moves. On a GPU 8 rows x 64 vectors x 16 B (656-byte rows: 41 vectors, the axis
 # rounded up to 64) is 8 KiB a program: 40 registers a thread, 48 warps resident an SM on sm_90 (16
@@ -48,14 +48,10 @@ def gather_kernel(
     on_cpu = im & (h >= G)
     src, vm = unit_offsets(tl.where(on_cpu, h - G, h), V, VECS, UNIT)
     dst, _ = unit_offsets(i, V, VECS, UNIT)
-    # Every vector starts UNIT_BYTES into aligned memory (the launcher checked): one access a vector.
-    B: tl.constexpr = UNIT_BYTES
-    gpu_rows = tl.max_contiguous(tl.multiple_of(gpu_ptr + src, [B, B, B]), [1, 1, UNIT])
-    cpu_rows = tl.max_contiguous(tl.multiple_of(cpu_ptr + src, [B, B, B]), [1, 1, UNIT])
-    out_rows = tl.max_contiguous(tl.multiple_of(out_ptr + dst, [B, B, B]), [1, 1, UNIT])
-    row = tl.load(gpu_rows, mask=on_gpu[:, None, None] & vm, other=0)
-    row = tl.where(on_cpu[:, None, None], tl.load(cpu_rows, mask=on_cpu[:, None, None] & vm, other=0), row)
-    tl.store(out_rows, row, mask=im[:, None, None] & vm)
+    row = load_units(gpu_ptr, src, on_gpu[:, None, None] & vm, UNIT, UNIT_BYTES)
+    from_cpu = load_units(cpu_ptr, src, on_cpu[:, None, None] & vm, UNIT, UNIT_BYTES)
+    row = tl.where(on_cpu[:, None, None], from_cpu, row)
+    store_units(out_ptr, dst, row, im[:, None, None] & vm, UNIT, UNIT_BYTES)
 
 
 def gather(addrs, mapping, gpu_slots: int, gpu_layer, cpu_layer) -> torch.Tensor:

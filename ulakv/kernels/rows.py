@@ -5,9 +5,8 @@ A row of ``W`` elements (int32 words, or bytes when the width is not a multiple 
 access sm_90 has is 16 bytes (``ld.global.v4.b32`` / ``st.global.v4.b32``): a 656-byte row is 41 of
 them against 164 single words, a quarter of the memory instructions. Triton emits the wide access
 only when it can prove every vector starts 16 bytes into aligned memory, so the kernels address a
-row as a ``[rows, VECS, UNIT]`` tile (``unit_offsets``) and state the alignment where they access
-memory, ``tl.max_contiguous(tl.multiple_of(ptr + offsets, [B, B, B]), [1, 1, UNIT])`` with ``B`` the
-vector's bytes (written at the access: a hint returned from a device function is lost); the
+row as a ``[rows, VECS, UNIT]`` tile (``unit_offsets``) and access it through ``load_units`` and
+``store_units``, which state the alignment beside the access; the
 launcher picks ``UNIT`` (``vector_unit``) so that the statement is true: the width a multiple of
 ``UNIT`` and every base pointer aligned to ``UNIT`` elements. Widths that allow less get narrower
 vectors (8, 4, 2 bytes or single elements) from the same code.
@@ -58,3 +57,21 @@ def unit_offsets(rows, V, VECS: tl.constexpr, UNIT: tl.constexpr):
     u = tl.arange(0, UNIT)
     offsets = (rows[:, None, None] * V + v[None, :, None]) * UNIT + u[None, None, :]
     return offsets, (v < V)[None, :, None]
+
+
+@triton.jit
+def load_units(ptr, offsets, mask, UNIT: tl.constexpr, UNIT_BYTES: tl.constexpr):
+    """``ptr[offsets]`` (``[R, VECS, UNIT]`` from ``unit_offsets``; 0 where ``mask`` is false),
+    one access a vector: the launcher guaranteed that every vector starts ``UNIT_BYTES``-aligned,
+    and the hint says so where the access is (a hint returned from a device function is lost)."""
+    B: tl.constexpr = UNIT_BYTES
+    return tl.load(
+        tl.max_contiguous(tl.multiple_of(ptr + offsets, [B, B, B]), [1, 1, UNIT]), mask=mask, other=0
+    )
+
+
+@triton.jit
+def store_units(ptr, offsets, values, mask, UNIT: tl.constexpr, UNIT_BYTES: tl.constexpr):
+    """``ptr[offsets] = values`` where ``mask``, one access a vector (as :func:`load_units`)."""
+    B: tl.constexpr = UNIT_BYTES
+    tl.store(tl.max_contiguous(tl.multiple_of(ptr + offsets, [B, B, B]), [1, 1, UNIT]), values, mask=mask)
