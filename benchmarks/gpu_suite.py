@@ -31,7 +31,9 @@ Sections, in order (a failed check stops the suite before any timing):
    engine-owned pool of 61 one-layer groups (DSA under SGLang: an indexer per layer), a decode
    step's admission of 256 new tokens, a 16K-token prompt's admission, and its release once its
    rows are written (the GPU full, the rest on the CPU); both policies.
-9. ``compiled``: every variant the device compiled over the sections above, with its registers,
+9. ``vector_widths``: gather and swap-in with rows moved in 16-byte vectors against 4-byte words,
+   alternating in one process (the time ratio is the figure).
+10. ``compiled``: every variant the device compiled over the sections above, with its registers,
    spill bytes and the warps an SM keeps resident.
 
 Sections are selectable (``--only prepare requests``); ``--keep-going`` records a failed section and
@@ -413,6 +415,38 @@ def swap_in(device: torch.device, sizes: Sizes, ceil: dict[str, float]) -> list[
     return out
 
 
+def vector_widths(device: torch.device, sizes: Sizes, ceil: dict[str, float]) -> list[dict]:
+    """Rows moved in 16-byte vectors against single 4-byte words, side by side in one process:
+    gather from each tier and swap-in at the two largest batches, alternating the width
+    (``ulakv.kernels.rows.VECTOR_BYTES``) so that drift of the machine hits both alike."""
+    from ulakv.kernels import rows as rows_mod
+
+    big = Sizes(**{**sizes.__dict__, "batches": sizes.batches[-2:]})
+    runs: dict[int, dict[str, list[dict]]] = {16: {}, 4: {}}
+    for _ in range(2):
+        for width in (16, 4):
+            saved, rows_mod.VECTOR_BYTES = rows_mod.VECTOR_BYTES, width
+            try:
+                for name, fn in (("gather", gather_rows), ("swap_in", swap_in)):
+                    runs[width].setdefault(name, []).extend(fn(device, big, ceil))
+            finally:
+                rows_mod.VECTOR_BYTES = saved
+    out = []
+    for name in ("gather", "swap_in"):
+        for wide, narrow in zip(runs[16][name], runs[4][name], strict=True):
+            case = f"gather {wide['tier']}" if name == "gather" else "swap-in"
+            out.append(
+                {
+                    "case": case,
+                    "batch": wide["batch"],
+                    "us_16B": wide["us"],
+                    "us_4B": narrow["us"],
+                    "16B_over_4B": wide["us"] / narrow["us"],
+                }
+            )
+    return out
+
+
 # -- 5. prepare per group-step ----------------------------------------------------------------------
 def prepare_steps(device: torch.device, sizes: Sizes, ceil: dict[str, float]) -> list[dict]:
     """Time a group-step's ``prepare`` at batch x 3 query positions x top-k, next to the time its
@@ -732,6 +766,11 @@ def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callabl
             f"prepare per group-step, {sizes.gpu_slots} GPU slots, top-k {sizes.topk}",
             lambda r: prepare_steps(device, sizes, r["ceilings"]),
         ),
+        (
+            "vector_widths",
+            "rows in 16-byte vectors against 4-byte words, side by side (time ratio)",
+            lambda r: vector_widths(device, sizes, r["ceilings"]),
+        ),
         ("graph", "one engine step in a CUDA graph", lambda r: graph_step(device, sizes)),
         (
             "striped_graph",
@@ -777,7 +816,7 @@ def main(argv: list[str] | None = None) -> dict:
         # The copy ceilings are what gather, swap-in and prepare are measured against.
         wanted = args.only is None or name in args.only
         if name == "ceilings" and args.only is not None:
-            wanted = bool({"gather", "swap_in", "prepare"} & set(args.only)) or wanted
+            wanted = bool({"gather", "swap_in", "prepare", "vector_widths"} & set(args.only)) or wanted
         if not wanted:
             continue
         section_start = time.perf_counter()

@@ -38,6 +38,9 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
     assert len(cases) == 4 and all(row["launches"] == 3 for row in results["prepare"])
     assert all(row["victims_per_step"] == 0 for row in results["prepare"] if row["case"] == "fits")
     assert all({"gpu_us", "longest_kernel"} <= row.keys() for row in results["prepare"])
+    widths = results["vector_widths"]
+    assert {row["case"] for row in widths} == {"gather gpu", "gather cpu", "swap-in"}
+    assert all(row["us_16B"] > 0 and row["us_4B"] > 0 for row in widths)
     assert results["compiled"] == []  # the loader's figures exist only on a GPU
     assert results["graph"]["eager_us"] > 0
     assert [row["attention"] for row in results["striped_graph"]] == ["fetch", "local"]

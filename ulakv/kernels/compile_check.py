@@ -145,6 +145,7 @@ class Variant:
     warps: int  # a program
     widest_load_bits: int  # widest ld.global in the PTX (a row moved 16 bytes at a time: 128)
     widest_store_bits: int
+    vector_bytes: int  # bytes a row's vector holds in this variant (``UNIT_BYTES``), 0 if it moves none
 
     @property
     def resident_warps(self) -> int:
@@ -205,6 +206,7 @@ def compile_all(arch: int = 90) -> list[Variant]:
         kernel = triton.compile(ASTSource(fn, what["signature"], what["constants"], attrs), target=target)
         registers, stack = _resources(kernel.asm["cubin"])
         ptx = kernel.asm["ptx"]
+        constants = {fn.arg_names[i]: value for (i, *_), value in what["constants"].items()}
         variants.append(
             Variant(
                 kernel=name,
@@ -214,6 +216,7 @@ def compile_all(arch: int = 90) -> list[Variant]:
                 warps=kernel.metadata.num_warps,
                 widest_load_bits=_widest(ptx, "ld"),
                 widest_store_bits=_widest(ptx, "st"),
+                vector_bytes=int(constants.get("UNIT_BYTES", 0)),
             )
         )
 
@@ -239,11 +242,14 @@ def main() -> None:
     names = sorted(counts)
     print(f"compiled for sm_{args.arch}: {', '.join(names)}")
     print(f"variants: {len(variants)} ({', '.join(f'{k} {counts[k]}' for k in names)})")
-    print("kernel | registers | stack (B) | shared (B) | warps | resident warps | widest load | widest store")
+    print(
+        "kernel | registers | stack (B) | shared (B) | warps | resident warps | widest load | widest store"
+        " | row vector (B)"
+    )
     for v in sorted(variants, key=lambda v: v.kernel):
         print(
             f"{v.kernel} | {v.registers} | {v.stack_bytes} | {v.shared_bytes} | {v.warps} | "
-            f"{v.resident_warps} | {v.widest_load_bits} | {v.widest_store_bits}"
+            f"{v.resident_warps} | {v.widest_load_bits} | {v.widest_store_bits} | {v.vector_bytes}"
         )
     if args.json is not None:
         args.json.write_text(

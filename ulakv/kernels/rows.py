@@ -22,7 +22,9 @@ import torch
 
 from ._triton import tl, triton
 
-VECTOR_BYTES = 16  # the widest global load and store of sm_90
+# The widest global load and store of sm_90. Read at each launch, so that a benchmark can set it to
+# 4 and time single words against vectors side by side (benchmarks/gpu_suite.py, vector_widths).
+VECTOR_BYTES = 16
 
 
 def vector_unit(width: int, *rows: torch.Tensor) -> int:
@@ -31,7 +33,7 @@ def vector_unit(width: int, *rows: torch.Tensor) -> int:
     at most ``VECTOR_BYTES``, that divides ``width``, and to whose bytes every tensor's first
     element is aligned (a meta tensor has no memory to misalign)."""
     size = rows[0].element_size()
-    unit = VECTOR_BYTES // size
+    unit = max(1, VECTOR_BYTES // size)
     while unit > 1:
         fits = width % unit == 0 and all(
             t.device.type == "meta" or t.data_ptr() % (unit * size) == 0 for t in rows

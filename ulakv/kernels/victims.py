@@ -388,6 +388,9 @@ def victims_program(
                 tl.store(seg_ptr + SEG_WORDS * segments + 1 + 2 * three, words, mask=three < 3)
                 segments += 1
         got = tl.minimum(run, want)
+        # Every lane's running totals (the prefix loop's and the extension's stores to seg) before
+        # any lane reads another's below: the search for the last segment, and its start.
+        tl.debug_barrier()
         # The segment of the last victim: the first whose running total reaches got.
         last_seg = segments
         if got > 0:
