@@ -100,6 +100,9 @@ def measure(batch: int, policy) -> dict:
         evicted=after["victims"] - before["victims"],
         launches=" + ".join(f"{launch.kernel} {launch.busiest}" for launch in launches),
         programs=max(launch.programs for launch in launches),
+        # Every program's operations: what the SMs share once a launch has more programs than fit
+        # at once (apply's grid is sized by the call, so its programs without misses count here).
+        all_programs=sum(launch.total for launch in launches),
         critical_path=critical_path(launches),
     )
 
@@ -108,7 +111,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     args = parser.parse_args()
-    columns = ["batch", "policy", "gpu_slots", "misses", "evicted", "hits", "launches", "programs"]
+    columns = [
+        "batch",
+        "policy",
+        "gpu_slots",
+        "misses",
+        "evicted",
+        "hits",
+        "launches",
+        "programs",
+        "all_programs",
+    ]
     print("| " + " | ".join([*columns, "critical_path"]) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for batch in args.batch:
