@@ -203,7 +203,9 @@ def compile_all(arch: int = 90) -> list[Variant]:
             return
         seen.add((name, key))
         attrs = what["configs"][0]
-        kernel = triton.compile(ASTSource(fn, what["signature"], what["constants"], attrs), target=target)
+        options = {key: what[key] for key in ("num_warps", "num_stages", "num_ctas") if key in what}
+        source = ASTSource(fn, what["signature"], what["constants"], attrs)
+        kernel = triton.compile(source, target=target, options=options)
         registers, stack = _resources(kernel.asm["cubin"])
         ptx = kernel.asm["ptx"]
         constants = {fn.arg_names[i]: value for (i, *_), value in what["constants"].items()}
