@@ -31,10 +31,10 @@ Sections, in order (a failed check stops the suite before any timing):
    engine-owned pool of 61 one-layer groups (DSA under SGLang: an indexer per layer), a decode
    step's admission of 256 new tokens, a 16K-token prompt's admission, and its release once its
    rows are written (the GPU full, the rest on the CPU); both policies.
-9. ``vector_widths``: gather and swap-in with rows moved in 16-byte vectors against 4-byte words,
+9. ``compiled``: every variant the device compiled over the sections above (the serving mix),
+   with its registers, spill bytes and the warps an SM keeps resident.
+10. ``vector_widths``: gather and swap-in with rows moved in 16-byte vectors against 4-byte words,
    alternating in one process (the time ratio is the figure).
-10. ``compiled``: every variant the device compiled over the sections above, with its registers,
-   spill bytes and the warps an SM keeps resident.
 
 Sections are selectable (``--only prepare requests``); ``--keep-going`` records a failed section and
 runs the rest (one lease on new hardware, every failure seen).
@@ -686,11 +686,10 @@ def compiled_variants(device: torch.device) -> list[dict]:
 
     import ulakv.kernels
     from ulakv.kernels._triton import triton
+    from ulakv.kernels.compile_check import resident_warps
 
     if device.type != "cuda":
         return []
-    props = torch.cuda.get_device_properties(device)
-    regs_per_sm, smem_per_sm = 65536, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
     rows = []
     for info in pkgutil.iter_modules(ulakv.kernels.__path__):
         module = importlib.import_module(f"ulakv.kernels.{info.name}")
@@ -701,10 +700,6 @@ def compiled_variants(device: torch.device) -> list[dict]:
                 for kernel in caches[0].values():
                     kernel._init_handles()
                     warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
-                    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated 256 at a time
-                    blocks = min(32, 64 // warps, regs_per_sm // max(1, regs_per_warp * warps))
-                    if shared:
-                        blocks = min(blocks, smem_per_sm // shared)
                     rows.append(
                         {
                             "kernel": f"{info.name}.{name}",
@@ -712,7 +707,7 @@ def compiled_variants(device: torch.device) -> list[dict]:
                             "spills": kernel.n_spills,
                             "warps": warps,
                             "shared": shared,
-                            "resident_warps": blocks * warps,
+                            "resident_warps": resident_warps(kernel.n_regs, warps, shared),
                         }
                     )
     return rows
@@ -735,6 +730,10 @@ def meta(device: torch.device, smoke: bool) -> dict:
         "command": " ".join(["python", *sys.argv]),
         "smoke": smoke,
     }
+
+
+# Sections measured against the copy ceilings (skipped, and said so, when that section failed).
+NEEDS_CEILINGS = {"gather", "swap_in", "prepare", "vector_widths"}
 
 
 def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callable[[dict], object]]]:
@@ -766,11 +765,6 @@ def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callabl
             f"prepare per group-step, {sizes.gpu_slots} GPU slots, top-k {sizes.topk}",
             lambda r: prepare_steps(device, sizes, r["ceilings"]),
         ),
-        (
-            "vector_widths",
-            "rows in 16-byte vectors against 4-byte words, side by side (time ratio)",
-            lambda r: vector_widths(device, sizes, r["ceilings"]),
-        ),
         ("graph", "one engine step in a CUDA graph", lambda r: graph_step(device, sizes)),
         (
             "striped_graph",
@@ -786,6 +780,11 @@ def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callabl
             "compiled",
             "compiled variants: registers, spills, resident warps",
             lambda r: compiled_variants(device),
+        ),
+        (
+            "vector_widths",
+            "rows in 16-byte vectors against 4-byte words, side by side (time ratio)",
+            lambda r: vector_widths(device, sizes, r["ceilings"]),
         ),
     ]
 
@@ -816,17 +815,20 @@ def main(argv: list[str] | None = None) -> dict:
         # The copy ceilings are what gather, swap-in and prepare are measured against.
         wanted = args.only is None or name in args.only
         if name == "ceilings" and args.only is not None:
-            wanted = bool({"gather", "swap_in", "prepare", "vector_widths"} & set(args.only)) or wanted
+            wanted = bool(NEEDS_CEILINGS & set(args.only)) or wanted
         if not wanted:
             continue
         section_start = time.perf_counter()
+        if name in NEEDS_CEILINGS and "ceilings" not in results:
+            results["errors"][name] = "skipped: the ceilings section failed"
+            continue
         try:
             results[name] = run(results)
         except Exception:  # recorded, then re-raised unless --keep-going
             results["errors"][name] = traceback.format_exc()
             print(f"\n== {title}: FAILED after {time.perf_counter() - section_start:.1f} s", flush=True)
             print(results["errors"][name], flush=True)
-            if not args.keep_going:
+            if not args.keep_going or not _device_usable(device):
                 _write(args.out, results)
                 raise
             continue
@@ -839,6 +841,18 @@ def main(argv: list[str] | None = None) -> dict:
     if results["errors"]:
         raise SystemExit(f"failed sections: {sorted(results['errors'])}")
     return results
+
+
+def _device_usable(device: torch.device) -> bool:
+    """False after a fault that poisons the CUDA context (an illegal or misaligned address is
+    sticky: every later section would fail with the same error and bury the first)."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _write(out: Path | None, results: dict) -> None:

@@ -149,13 +149,19 @@ class Variant:
 
     @property
     def resident_warps(self) -> int:
-        """Warps an SM keeps resident on Hopper: 65,536 registers allocated 256 to a warp, 64 warps
-        and 32 programs at most, 228 KiB of shared memory with 1 KiB reserved a program. A
-        memory-bound kernel hides latency with resident warps; 8 of 64 cannot hide HBM's."""
-        per_warp = -(-self.registers * 32 // 256) * 256
-        programs = min(32, 64 // self.warps, 65536 // per_warp // self.warps)
-        programs = min(programs, (228 * 1024) // (self.shared_bytes + 1024))
-        return programs * self.warps
+        return resident_warps(self.registers, self.warps, self.shared_bytes)
+
+
+def resident_warps(registers: int, warps: int, shared_bytes: int) -> int:
+    """Warps an SM keeps resident on Hopper for a kernel of ``registers`` a thread, ``warps`` a
+    program and ``shared_bytes`` of shared memory a program: each of the 4 sub-partitions holds
+    16,384 registers, allocated 256 to a warp; 64 warps and 32 programs at most; 228 KiB of shared
+    memory, allocated 128 B at a time, with 1 KiB reserved a program. A memory-bound kernel hides
+    latency with resident warps; 8 of 64 cannot hide HBM's."""
+    per_warp = -(-registers * 32 // 256) * 256
+    programs = min(32, 64 // warps, 4 * (16384 // per_warp) // warps)
+    shared = -(-shared_bytes // 128) * 128 + 1024
+    return min(programs, (228 * 1024) // shared) * warps
 
 
 _PTX_WIDTHS = {"b8": 8, "b16": 16, "b32": 32, "b64": 64, "u8": 8, "u16": 16, "u32": 32, "u64": 64}

@@ -65,10 +65,12 @@ def unit_offsets(rows, V, VECS: tl.constexpr, UNIT: tl.constexpr):
 def load_units(ptr, offsets, mask, UNIT: tl.constexpr, UNIT_BYTES: tl.constexpr):
     """``ptr[offsets]`` (``[R, VECS, UNIT]`` from ``unit_offsets``; 0 where ``mask`` is false),
     one access a vector: the launcher guaranteed that every vector starts ``UNIT_BYTES``-aligned,
-    and the hint says so where the access is (a hint returned from a device function is lost)."""
+    and the hint says so where the access is (a hint returned from a device function is lost):
+    along the vector axis, each run of ``UNIT`` elements is contiguous and its first is aligned;
+    nothing is claimed along the others."""
     B: tl.constexpr = UNIT_BYTES
     return tl.load(
-        tl.max_contiguous(tl.multiple_of(ptr + offsets, [B, B, B]), [1, 1, UNIT]), mask=mask, other=0
+        tl.max_contiguous(tl.multiple_of(ptr + offsets, [1, 1, B]), [1, 1, UNIT]), mask=mask, other=0
     )
 
 
@@ -76,4 +78,4 @@ def load_units(ptr, offsets, mask, UNIT: tl.constexpr, UNIT_BYTES: tl.constexpr)
 def store_units(ptr, offsets, values, mask, UNIT: tl.constexpr, UNIT_BYTES: tl.constexpr):
     """``ptr[offsets] = values`` where ``mask``, one access a vector (as :func:`load_units`)."""
     B: tl.constexpr = UNIT_BYTES
-    tl.store(tl.max_contiguous(tl.multiple_of(ptr + offsets, [B, B, B]), [1, 1, UNIT]), values, mask=mask)
+    tl.store(tl.max_contiguous(tl.multiple_of(ptr + offsets, [1, 1, B]), [1, 1, UNIT]), values, mask=mask)
