@@ -12,10 +12,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_gpu_suite_smoke(tmp_path: Path) -> None:
+def smoke_run(tmp_path: Path, *args: str) -> dict:
+    """Run the suite at smoke sizes with ``args``; its results (the JSON it wrote)."""
     out = tmp_path / "smoke.json"
+    suite = str(ROOT / "benchmarks" / "gpu_suite.py")
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--out", str(out)],
+        [sys.executable, suite, "--smoke", *args, "--out", str(out)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -23,7 +25,11 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_gpu_suite_smoke(tmp_path: Path) -> None:
+    results = smoke_run(tmp_path)
     assert results["errors"] == {}
     assert [row["result"] for row in results["correctness"]] == ["bit-identical"] * 2
     scale = results["correctness_at_scale"]
@@ -49,23 +55,5 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
 
 
 def test_gpu_suite_runs_the_sections_asked_for(tmp_path: Path) -> None:
-    out = tmp_path / "only.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gpu_suite.py"),
-            "--smoke",
-            "--only",
-            "gather",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = smoke_run(tmp_path, "--only", "gather")
     assert {"ceilings", "gather"} <= results.keys() and "correctness" not in results
