@@ -423,7 +423,8 @@ def vector_widths(device: torch.device, sizes: Sizes, ceil: dict[str, float]) ->
 
     big = Sizes(**{**sizes.__dict__, "batches": sizes.batches[-2:]})
     runs: dict[int, dict[str, list[dict]]] = {16: {}, 4: {}}
-    for _ in range(2):
+    rounds = 2 if device.type == "cuda" else 1  # the interpreter's timings mean nothing: run it once
+    for _ in range(rounds):
         for width in (16, 4):
             saved, rows_mod.VECTOR_BYTES = rows_mod.VECTOR_BYTES, width
             try:
