@@ -34,6 +34,7 @@ from ulakv import (
 )
 from ulakv.kernels import operands
 from ulakv.kernels.operands import as_words, may_overlap, readable_indices, readable_rows, writable_in_place
+from ulakv.kernels.rows import aligned_to, vector_unit
 from ulakv.spawn import run_ranks
 from ulakv.transfer import PlanInterrupted, interrupt_after
 
@@ -469,3 +470,34 @@ def test_views_cost_no_host_sync() -> None:
     selection = seq.addresses.flip(0).tolist()
     expected = {(layer, a): rows[i] for layer in range(LAYERS) for i, a in enumerate(seq.addresses.tolist())}
     _assert_slots_hold(pool, selection, out.reshape(-1)[:3].tolist(), expected)
+
+
+@pytest.mark.parametrize(
+    ("words", "unit"),
+    [
+        pytest.param(torch.zeros(3, 2, 164, dtype=torch.int32), 4, id="packed-656-byte-rows"),
+        pytest.param(torch.zeros(3, 2, 166, dtype=torch.int32)[:, :, :164], 2, id="rows-8-bytes-apart"),
+        pytest.param(
+            torch.zeros(3 * 2 * 164 + 1, dtype=torch.int32)[1:].view(3, 2, 164), 1, id="start-off-4"
+        ),
+        pytest.param(
+            torch.zeros(3 * 330, dtype=torch.int32).as_strided((3, 2, 164), (330, 164, 1)),
+            2,
+            id="layers-8-apart",
+        ),
+        pytest.param(
+            torch.zeros(200, dtype=torch.int32).as_strided((1, 1, 164), (7, 3, 1)),
+            4,
+            id="one-row-odd-strides",
+        ),
+        pytest.param(torch.zeros(2, 162, dtype=torch.int32), 2, id="width-162"),
+    ],
+)
+def test_rows_move_in_the_widest_vector_every_row_starts_on(words: torch.Tensor, unit: int) -> None:
+    """The vector a launch may promise: it divides the width, and every row (of every layer) starts
+    on one; a smaller vector is the answer, never a misaligned access."""
+    width = words.shape[-1]
+    assert vector_unit(width, words) == unit
+    assert aligned_to(words, unit)
+    wider = unit * 2
+    assert unit == 4 or width % wider or not aligned_to(words, wider)  # 16 B is sm_90's widest

@@ -40,7 +40,7 @@ from . import common as K
 from ._triton import INTERPRETED, tl, triton
 from .buckets import PBLRUBits
 from .operands import as_words
-from .rows import load_units, store_units, unit_offsets, vector_unit, vectors_per_row
+from .rows import aligned_to, load_units, store_units, unit_offsets, vector_unit, vectors_per_row
 from .victims import control_word, victim_cleans, victim_slot, victim_slots
 
 # Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
@@ -538,11 +538,6 @@ def _write_homed(
     store_units(c_row, hc2, row, to_cpu[:, None, None] & vm, UNIT, UNIT_BYTES)
 
 
-def _aligned_to(t: torch.Tensor, unit: int) -> bool:
-    """Whether ``t``'s first element is aligned to a vector of ``unit`` elements."""
-    return t.device.type == "meta" or t.data_ptr() % (unit * t.element_size()) == 0
-
-
 def apply(
     st,
     g: int,
@@ -581,12 +576,10 @@ def apply(
     # Rows move in the widest vectors the pool's rows allow (16 B for 656-byte rows). A caller's
     # rows or fetched rows that sit off that alignment (a view at an odd offset) are copied once,
     # so that the pool keeps one variant.
-    unit = vector_unit(W, gpu, cpu)
-    while gpu.stride(0) % unit or cpu.stride(0) % unit:  # a layer must start on a vector too
-        unit //= 2
-    if write and not _aligned_to(rows, unit):
+    unit = vector_unit(W, gpu, cpu)  # every layer's and row's start too
+    if write and not aligned_to(rows, unit):
         rows = rows.clone()
-    if st.CACHE and not _aligned_to(fetched, unit):
+    if st.CACHE and not aligned_to(fetched, unit):
         fetched = fetched.clone()
     vectors, vecs = vectors_per_row(W, unit)
     # A chunk's tiles: enough for its elements (a call smaller than a chunk launches fewer).

@@ -209,7 +209,9 @@ def compile_all(arch: int = 90) -> list[Variant]:
             return
         seen.add((name, key))
         attrs = what["configs"][0]
-        options = {key: what[key] for key in ("num_warps", "num_stages", "num_ctas") if key in what}
+        options = {
+            option: what[option] for option in ("num_warps", "num_stages", "num_ctas") if option in what
+        }
         source = ASTSource(fn, what["signature"], what["constants"], attrs)
         kernel = triton.compile(source, target=target, options=options)
         registers, stack = _resources(kernel.asm["cubin"])

@@ -11,9 +11,10 @@ launcher picks ``UNIT`` (``vector_unit``) so that the statement is true: the wid
 ``UNIT`` and every base pointer aligned to ``UNIT`` elements. Widths that allow less get narrower
 vectors (8, 4, 2 bytes or single elements) from the same code.
 
-The alignment is a launch-time fact, not a specialisation: the kernels keep their pointers out of
-Triton's alignment specialisation (one binary whatever the layer's offset), and ``UNIT`` is the one
-constexpr that changes with it: a pool whose rows are all 16-byte aligned compiles one variant.
+The alignment is a launch-time fact that the launcher checks (``aligned_to``), not one Triton must
+find: pointers whose alignment changes from call to call (a layer's rows, a caller's view) stay out
+of Triton's alignment specialisation, and ``UNIT`` is the one constexpr that changes with it, so a
+pool whose rows are all 16-byte aligned compiles one variant.
 """
 
 from __future__ import annotations
@@ -21,33 +22,38 @@ from __future__ import annotations
 import torch
 
 from ._triton import tl, triton
+from .common import next_pow2
 
 # The widest global load and store of sm_90. Read at each launch, so that a benchmark can set it to
 # 4 and time single words against vectors side by side (benchmarks/gpu_suite.py, vector_widths).
 VECTOR_BYTES = 16
 
 
+def aligned_to(t: torch.Tensor, unit: int) -> bool:
+    """Whether every row of ``t`` starts on a vector of ``unit`` elements: its first element is
+    aligned to the vector's bytes and every stride but the last (a dimension of size 1 is never
+    stepped) is a multiple of ``unit``. A meta tensor has no memory to misalign."""
+    if t.device.type != "meta" and t.data_ptr() % (unit * t.element_size()):
+        return False
+    outer = zip(t.shape[:-1], t.stride()[:-1], strict=True)
+    return all(stride % unit == 0 for size, stride in outer if size > 1)
+
+
 def vector_unit(width: int, *rows: torch.Tensor) -> int:
     """Elements a vector of the rows ``rows`` (tensors whose last dimension is ``width``
-    elements, all of one element size, packed) may hold: the largest power of two whose bytes are
-    at most ``VECTOR_BYTES``, that divides ``width``, and to whose bytes every tensor's first
-    element is aligned (a meta tensor has no memory to misalign)."""
-    size = rows[0].element_size()
-    unit = max(1, VECTOR_BYTES // size)
-    while unit > 1:
-        fits = width % unit == 0 and all(
-            t.device.type == "meta" or t.data_ptr() % (unit * size) == 0 for t in rows
-        )
-        if fits:
-            return unit
+    elements, all of one element size, packed along it) may hold: the largest power of two whose
+    bytes are at most ``VECTOR_BYTES``, that divides ``width``, and on which every row of every
+    tensor starts (``aligned_to``)."""
+    unit = max(1, VECTOR_BYTES // rows[0].element_size())
+    while unit > 1 and not (width % unit == 0 and all(aligned_to(t, unit) for t in rows)):
         unit //= 2
-    return 1
+    return unit
 
 
 def vectors_per_row(width: int, unit: int) -> tuple[int, int]:
     """(vectors a row holds, the power of two a tile's vector axis spans)."""
     vectors = width // unit
-    return vectors, triton.next_power_of_2(vectors)
+    return vectors, next_pow2(vectors)
 
 
 @triton.jit
