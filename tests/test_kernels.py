@@ -190,6 +190,36 @@ def test_lru_ring_compaction_matches_reference() -> None:
         pool.check_invariants()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-apply", "engine-split"])
+def test_ring_compaction_across_blocks_matches_reference(split: bool) -> None:
+    """A ring of 1,202 pairs (two blocks of CHUNK, 601 slots): hot entries touched again every call
+    leave stale pairs and fresh picks take victims, so calls compact with the head inside a block,
+    pairs dropped before it, the ring wrapped, and writes (whose round tail lies before the tail)
+    between; each compacting call's plan and apply equal their references word for word."""
+    pool = small_pool(gpu_slots=601, cpu_slots=420, bytes_per_layer=4, num_layers=1, layers_per_group=1)
+    gen, rng = torch.Generator().manual_seed(11), random.Random(11)
+    seq = pool.admit(1000)
+    run_stagewise(pool, 0, seq.addresses, random_rows(gen, 1000, 4), 0)  # 601 on the GPU
+    st, Qcap = pool._state, pool._state.q_slot.shape[1]
+    hot = rng.sample(range(1000), 100)
+    compacted, dropped, wrapped = 0, 0, False  # two-block compactions, with pairs dropped, across the end
+    for step in range(24):
+        span = [int(st.gctl[0, int(w)]) for w in (K.G_HEAD, K.G_TAIL)]
+        if step % 4 == 3:  # a write of entries on either tier: round tail < tail
+            picks = rng.sample(range(1000), 37)
+            rows = random_rows(gen, 37, 4)
+            run_stagewise(pool, 0, seq.addresses[picks], rows, 0)
+        else:
+            picks = hot + rng.sample(range(1000), 51)
+            run_stagewise(pool, 0, seq.addresses[picks], split=split)
+        blocks, base = int(st.ctl[int(K.E_RING_BLOCKS)]), int(st.ctl[int(K.E_RING_BASE)])
+        compacted += blocks == 2
+        dropped += blocks > 0 and base < int(st.gctl[0, int(K.G_HEAD)])
+        wrapped |= blocks > 0 and span[0] // Qcap != (span[1] - 1) // Qcap  # scanned across the end
+        pool.check_invariants()
+    assert compacted >= 3 and dropped >= 3 and wrapped, (compacted, dropped, wrapped)
+
+
 def test_epoch_wrap_clears_scratch_identically() -> None:
     pool = small_pool()
     seq = pool.admit(4)

@@ -41,7 +41,7 @@ from ._triton import INTERPRETED, tl, triton
 from .buckets import PBLRUBits
 from .operands import as_words
 from .rows import aligned_to, load_units, store_units, unit_offsets, vector_unit, vectors_per_row
-from .victims import control_word, victim_cleans, victim_slot, victim_slots
+from .victims import control_word, ring_block_copy, victim_cleans, victim_slot, victim_slots
 
 # Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
 # interpreter pays per operation, not per element, so it takes 4x larger tiles. The launcher reads
@@ -195,6 +195,8 @@ def apply_kernel(
     C,
     stats_ptr,
     group_row_bytes,
+    ring_ptr,
+    ring_blocks_ptr,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -225,10 +227,14 @@ def apply_kernel(
     # so at batch 256 x 3 x 2048 most of its 98,304 programs have nothing to move; each used to wait
     # for three loads in a row and three barriers first.
     ctl = tl.load(ctl_ptr + tl.arange(0, K.CTL_BLOCK), mask=tl.arange(0, K.CTL_BLOCK) < K.CTL_WORDS, other=0)
-    n_miss = tl.load(counts_ptr + pid * K.COUNT_WORDS + K.C_NEED)
+    # Exact LRU's launch has programs past the chunks': each copies one block of a compacting
+    # call's ring into place at commit (``ring_block_copy``), and nothing else.
+    chunk_program = pid < (T + CHUNK - 1) // CHUNK
+    n_miss = tl.load(counts_ptr + pid * K.COUNT_WORDS + K.C_NEED, mask=chunk_program, other=0)
     busy = (tile == 0) | (r0 < n_miss)
     if WRITE:
         busy = busy | (base + r0 < T)  # _write_homed stores the tile's elements' rows
+    busy = busy & chunk_program
     status = control_word(ctl, K.E_LAST_STATUS)
     run_out = (first_phase <= K.PH_OUT) & (last_phase >= K.PH_OUT)
     run_evict = (first_phase <= K.PH_EVICT) & (last_phase >= K.PH_EVICT)
@@ -462,6 +468,17 @@ def apply_kernel(
                     tl.store(ver_ptr + slot, version, mask=appended)
                     tl.store(q_slot_ptr + q_pos, slot, mask=appended)
                     tl.store(q_ver_ptr + q_pos, version, mask=appended)
+    if POLICY == K.EXACT_LRU:
+        if (status == 0) & run_commit & ~chunk_program:
+            # Ring block b of a compacting call: its live pairs land before any append (the plan
+            # put the new tail after them), and no other program reads or writes those positions.
+            b = (pid - (T + CHUNK - 1) // CHUNK) * tl.num_programs(1) + tile
+            if b < control_word(ctl, K.E_RING_BLOCKS):
+                new_head = tl.load(gctl_ptr + K.G_HEAD)
+                ring_base = control_word(ctl, K.E_RING_BASE)
+                ring_block_copy(
+                    b, ring_base, new_head, ring_ptr, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, CHUNK
+                )
 
 
 @triton.jit
@@ -584,7 +601,10 @@ def apply(
     vectors, vecs = vectors_per_row(W, unit)
     # A chunk's tiles: enough for its elements (a call smaller than a chunk launches fewer).
     tiles = triton.cdiv(min(T, K.CHUNK), rows_per_tile)
-    apply_kernel[(triton.cdiv(T, K.CHUNK), tiles)](
+    programs = triton.cdiv(T, K.CHUNK)
+    if st.policy == K.EXACT_LRU:  # and a program a ring block, should the plan compact the ring
+        programs += triton.cdiv(triton.cdiv(st.q_slot.shape[1], K.CHUNK), tiles)
+    apply_kernel[(programs, tiles)](
         sel_ptr=flat,
         T=T,
         owner_ptr=st.owner[g],
@@ -794,3 +814,14 @@ def apply_reference(
                         st.q_slot[g, q % Qcap] = slot
                         st.q_ver[g, q % Qcap] = st.ver[g, slot]
                         q += 1
+    if runs(K.PH_COMMIT) and st.policy == K.EXACT_LRU:
+        # A compacting call's live ring pairs, packed block by block by the classify, into place.
+        base, new_head = int(st.ctl[int(K.E_RING_BASE)]), int(st.gctl[g, int(K.G_HEAD)])
+        for b in range(int(st.ctl[int(K.E_RING_BLOCKS)])):
+            n, before = (int(x) for x in scratch.ring_blocks[b])
+            for j in range(n):
+                if base + before + j >= new_head:
+                    packed = int(scratch.ring[b * C + j])
+                    version = packed & 0xFFFFFFFF
+                    st.q_slot[g, (base + before + j) % Qcap] = packed >> 32
+                    st.q_ver[g, (base + before + j) % Qcap] = version - (version >> 31 << 32)

@@ -27,7 +27,9 @@ E_ARRIVED = tl.constexpr(10)  # classify programs done this call; the last one p
 E_SEGMENTS = tl.constexpr(11)  # segments of the call's candidate list (victims past the free slots)
 E_FILL = tl.constexpr(12)  # 1: clean victims pop no CPU row; their copies' places take their misses' rows
 E_POPS = tl.constexpr(13)  # CPU rows this call pops off the top of the free list
-CTL_WORDS = 14
+E_RING_BLOCKS = tl.constexpr(14)  # exact LRU: ring blocks this call compacts (0: none; see victims)
+E_RING_BASE = tl.constexpr(15)  # ... where block 0's first live pair would land (before the new head)
+CTL_WORDS = 16
 CTL_BLOCK = tl.constexpr(16)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.

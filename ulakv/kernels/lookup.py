@@ -45,11 +45,15 @@ from .victims import (
     SEG_WORDS,
     _clean_candidates,
     _packed_candidates,
-    _ring_candidates,
     clean_candidates_reference,
     need_pops,
     packed_candidates_reference,
+    ring_block_scan,
     ring_candidates_reference,
+    ring_compaction_due,
+    ring_compaction_due_reference,
+    ring_live,
+    ring_live_reference,
     victims_program,
     victims_reference,
 )
@@ -173,6 +177,8 @@ def classify_kernel(
     cand_ptr,
     seg_ptr,
     chunk_off_ptr,
+    ring_ptr,
+    ring_blocks_ptr,
     group_row_bytes,
     layer_row_bytes,
     WRITE: tl.constexpr,
@@ -228,7 +234,7 @@ def classify_kernel(
     tl.store(miss_rank_ptr + pos, rank, mask=need)
     from_cpu = need & on_cpu  # frees its CPU row at commit: its rank places the push
     tl.store(cpu_rank_ptr + pos, tl.cumsum(from_cpu.to(tl.int32), axis=0) - 1, mask=from_cpu)
-    chunks = (T + CHUNK - 1) // CHUNK  # PB-LRU launches more programs than chunks (below)
+    chunks = (T + CHUNK - 1) // CHUNK  # the launch may have more programs than chunks (below)
     if pid < chunks:
         row = counts_ptr + pid * K.COUNT_WORDS
         tl.store(row + K.C_HITS, tl.sum(hit.to(tl.int32), axis=0))
@@ -261,14 +267,22 @@ def classify_kernel(
         # Victims past the free slots are the oldest live, unprotected ring pairs. Program p lists
         # those among ring positions head + p * CHUNK .. + CHUNK (the hits' marks are all in since
         # the claim); the planning program only sums the lists and finds where the victims end.
+        # When the call compacts the ring, every program (the launch has one a ring block) also
+        # packs its block's live pairs for apply to copy into place (``ulakv.kernels.victims``).
         head = tl.load(gctl_ptr + K.G_HEAD)
+        tail = tl.load(gctl_ptr + K.G_TAIL)
         if WRITE:
             limit = tl.load(gctl_ptr + K.G_ROUND_TAIL)  # a write never evicts this round's entries
         else:
-            limit = tl.load(gctl_ptr + K.G_TAIL)  # a prepare starts a round: everything before is older
-        eligible, s = _ring_candidates(
-            head + pos, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
-        )
+            limit = tail  # a prepare starts a round: everything before is older
+        compacting = ring_compaction_due(head, tail, T, G, Qcap)
+        qi = head + pos
+        # Program p lists segment p while p < chunks: limit moved to head for the rest, who scan
+        # (up to tail) only when compacting.
+        limit = tl.where(pid < chunks, limit, head)
+        live, s, qv = ring_live(qi, tl.where(compacting, tail, limit), q_slot_ptr, q_ver_ptr, Qcap, ver_ptr)
+        eligible = live & (qi < limit)
+        eligible = eligible & (tl.load(mark_ptr + s, mask=eligible, other=0) != epoch)
         clean = eligible & (tl.zeros_like(s) != 0)
         if not CACHE:
             clean = _clean_candidates(
@@ -279,7 +293,9 @@ def classify_kernel(
         tl.store(cand_ptr + pid.to(tl.int64) * CHUNK + cand_rank, packed, mask=eligible)
         n = tl.sum(eligible.to(tl.int64), axis=0)
         words = tl.where(three == 0, pid.to(tl.int64) * CHUNK, tl.where(three == 1, n, n_clean))
-        tl.store(seg_ptr + SEG_WORDS * pid + 1 + 2 * three, words, mask=three < 3)
+        tl.store(seg_ptr + SEG_WORDS * pid + 1 + 2 * three, words, mask=three < tl.where(pid < chunks, 3, 0))
+        if compacting:
+            ring_block_scan(pid, live, s, qv, ring_ptr, ring_blocks_ptr, CHUNK)
     else:
         # -- candidates: this program's ranges of CHUNK slots, in every bucket a victim may come from
         # Victims past the free slots are the cold bucket's slots, then each ring bucket's oldest
@@ -327,6 +343,7 @@ def classify_kernel(
         victims_program(
             counts_ptr,
             chunks,
+            T,
             G,
             N,
             ctl_ptr,
@@ -355,12 +372,23 @@ def classify_kernel(
             R,
             frontier_ptr,
             frontier_size,
+            ring_blocks_ptr,
             WRITE,
             POLICY,
             CHUNK,
             BLOCK,
             CACHE,
         )
+
+
+def classify_programs(st, T: int) -> int:
+    """The classify launch's programs: one a chunk of the selection, and at least one a ring block
+    (exact LRU: a compacting call scans the whole ring) or a range of CHUNK slots (PB-LRU: none
+    lists more than one range)."""
+    programs = triton.cdiv(T, K.CHUNK)
+    if st.policy == K.PBLRU:
+        return max(programs, triton.cdiv(st.gpu_slots, K.CHUNK))
+    return max(programs, triton.cdiv(st.q_slot.shape[1], K.CHUNK))
 
 
 def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int) -> int:
@@ -383,10 +411,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         WRITE=write,
         CHUNK=K.CHUNK,
     )
-    # PB-LRU: a program for each range of CHUNK slots at least, so none lists more than one range.
-    programs = triton.cdiv(T, K.CHUNK)
-    if st.policy == K.PBLRU:
-        programs = max(programs, triton.cdiv(gpu_slots, K.CHUNK))
+    programs = classify_programs(st, T)
     classify_kernel[(programs,)](
         sel_ptr=sel,
         T=T,
@@ -502,6 +527,13 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
         for chunk in range(-(-T // C)):
             slots = ring_candidates_reference(st, g, head + chunk * C, min(limit, head + (chunk + 1) * C))
             list_segment(chunk, chunk * C, slots)
+        tail = int(gctl[int(K.G_TAIL)])
+        if ring_compaction_due_reference(head, tail, T, G, st.q_slot.shape[1]):
+            for b in range(classify_programs(st, T)):  # every program packs its ring block
+                pairs = ring_live_reference(st, g, head + b * C, min(tail, head + (b + 1) * C))
+                packed = [(s << 32) | (v & 0xFFFFFFFF) for s, v in pairs]
+                scratch.ring[b * C : b * C + len(packed)] = torch.tensor(packed, dtype=torch.int64)
+                scratch.ring_blocks[b, 0] = len(packed)
     else:
         bitmaps = PBLRUBits(st, g)
         cur = int(st.gctl[g, int(K.G_ROUND)]) + (0 if write else 1)

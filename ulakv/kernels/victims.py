@@ -19,8 +19,8 @@ misses. Measured by ``benchmarks/critical_path.py``: a prepare's busiest program
      pairs of unprotected slots among ring positions ``head + p * CHUNK ..`` (``_ring_candidates``);
      entries of the current round lie past ``round_tail`` and are never listed. Here: running
      totals of the lists, more segments one after another in the rare case they fall short, and
-     the new head (the position of the last victim, found in its segment). When stale pairs would
-     overflow the ring it is compacted in place (amortised O(1) a touch).
+     the new head (the position of the last victim, found in its segment). When stale pairs could
+     overflow the ring, the call compacts it across the grid (``ring_compaction_due``, below).
    * PB-LRU: cold, then the ring buckets oldest first, lower slots first, never the current round's
      bucket; segment (bucket, range of CHUNK slots) is listed by the program of that range. Here:
      running totals, and the round's end (the bucket about to be reused joins cold). Taken slots
@@ -37,10 +37,12 @@ misses. Measured by ``benchmarks/critical_path.py``: a prepare's busiest program
    miss leaves takes its copy's place in the free list. Otherwise every miss past the free GPU
    slots pops a row (for its victim, or for itself in a write that found no slot). Either way a
    victim never lands in a row someone still lives in.
-4. Offsets per chunk so the apply kernel can work in parallel without atomics and still
+4. Exact LRU, a compacting call: running totals of the ring blocks' live pairs, and the compacted
+   ring's tail and round tail (apply's ring programs copy the pairs into place).
+5. Offsets per chunk so the apply kernel can work in parallel without atomics and still
    deterministically: where each chunk's misses start in the victim list, where its touches are
    appended to the queue, and its rank among the CPU rows freed by misses that came from the CPU.
-5. Counters, round and epoch bookkeeping; the call's status is published for the host and apply.
+6. Counters, round and epoch bookkeeping; the call's status is published for the host and apply.
 """
 
 from __future__ import annotations
@@ -56,14 +58,97 @@ BLOCK = 1024
 
 
 @triton.jit
+def ring_live(qi, end, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr):
+    """Which ring positions ``qi`` (below ``end``) hold a live pair: its version is still its
+    slot's. Returns (live mask, slot, version)."""
+    qm = qi < end
+    at = qi % Qcap
+    s = tl.load(q_slot_ptr + at, mask=qm, other=0)
+    qv = tl.load(q_ver_ptr + at, mask=qm, other=0)
+    return qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1)), s, qv
+
+
+@triton.jit
 def _ring_candidates(qi, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch):
     """Which ring positions ``qi`` (below ``limit``) hold a live pair of an unprotected slot: an
     eviction candidate. Returns (candidate mask, slot)."""
-    qm = qi < limit
-    s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
-    qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
-    live = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
-    return live & (tl.load(mark_ptr + s, mask=qm, other=0) != epoch), s
+    live, s, _ = ring_live(qi, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr)
+    return live & (tl.load(mark_ptr + s, mask=live, other=0) != epoch), s
+
+
+# -- ring compaction ----------------------------------------------------------------------------
+# Stale pairs are dropped from the ring by three launches' programs side by side, never by one
+# program walking it: each classify program scans one block of CHUNK ring positions from the head
+# and packs its live pairs into the call scratch (``ring_block_scan``); the planning program turns
+# the blocks' counts into running totals (one BLOCK step per million ring pairs) and the new tail;
+# each of apply's ring programs copies one block's pairs to their places (``ring_block_copy``). The
+# ring holds 2G pairs and at most G are live (one a slot that holds an entry), and a call appends
+# at most min(T, G) (a pair a distinct slot it hits or fills): a call compacts when its appends
+# could overflow the ring as the call began (``ring_compaction_due``), which leaves at least G
+# positions free after it, so the ring never overflows and compaction happens at most once every
+# (G - min(T, G)) / min(T, G) + 1 calls.
+
+
+@triton.jit
+def ring_compaction_due(head, tail, T, G, Qcap):
+    """Whether a call of ``T`` elements compacts the ring ``head .. tail`` first."""
+    return tail - head + tl.minimum(T, G) > Qcap
+
+
+def ring_compaction_due_reference(head: int, tail: int, T: int, G: int, Qcap: int) -> bool:
+    return tail - head + min(T, G) > Qcap
+
+
+@triton.jit
+def ring_block_scan(b, live, s, qv, ring_ptr, ring_blocks_ptr, CHUNK: tl.constexpr):
+    """Ring block ``b``'s live pairs, packed (slot in the high word, version in the low) and in
+    ring order at ``ring[b * CHUNK:]``, and their count at ``ring_blocks[2b]``."""
+    rank = tl.cumsum(live.to(tl.int32), axis=0) - 1
+    packed = (s.to(tl.int64) << 32) | (qv.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(ring_ptr + b.to(tl.int64) * CHUNK + rank, packed, mask=live)
+    tl.store(ring_blocks_ptr + 2 * b, tl.sum(live.to(tl.int64), axis=0))
+
+
+@triton.jit
+def _live_before(x, head, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK: tl.constexpr):
+    """Live pairs at ring positions ``head .. x`` (``x <= tail``): the running total of ``x``'s
+    block (``ring_blocks[2b + 1]``, one past the last block included) plus its block's below ``x``."""
+    b = (x - head) // CHUNK
+    live, _, _ = ring_live(head + b * CHUNK + tl.arange(0, CHUNK), x, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr)
+    return tl.load(ring_blocks_ptr + 2 * b + 1) + tl.sum(live.to(tl.int64), axis=0)
+
+
+@triton.jit
+def ring_block_copy(
+    b, ring_base, new_head, ring_ptr, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, CHUNK: tl.constexpr
+):
+    """Ring block ``b``'s live pairs (packed by ``ring_block_scan``) to ring positions
+    ``ring_base + (live pairs before them) ..``, those before ``new_head`` (taken as victims, or hits
+    that this call appends again) dropped."""
+    w = tl.arange(0, 2)
+    words = tl.load(ring_blocks_ptr + 2 * b + w)
+    n = tl.sum(tl.where(w == 0, words, 0), axis=0)
+    before = tl.sum(tl.where(w == 1, words, 0), axis=0)
+    j = tl.arange(0, CHUNK)
+    packed = tl.load(ring_ptr + b.to(tl.int64) * CHUNK + j, mask=j < n, other=0)
+    keep = (j < n) & (ring_base + before + j >= new_head)
+    # One remainder a program: before + j < Qcap (live pairs never outnumber the ring), so the
+    # position wraps at most once.
+    at = ring_base % Qcap + before + j
+    at = tl.where(at >= Qcap, at - Qcap, at)
+    tl.store(q_slot_ptr + at, (packed >> 32).to(tl.int32), mask=keep)
+    tl.store(q_ver_ptr + at, (packed & 0xFFFFFFFF).to(tl.int32), mask=keep)
+
+
+def ring_live_reference(st, g: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Plain-Python twin of ``ring_live`` over ring positions ``lo .. hi``: the live (slot, version)
+    pairs, in ring order."""
+    Qcap, out = st.q_slot.shape[1], []
+    for qi in range(lo, hi):
+        s, v = int(st.q_slot[g, qi % Qcap]), int(st.q_ver[g, qi % Qcap])
+        if v == int(st.ver[g, s]):
+            out.append((s, v))
+    return out
 
 
 def ring_candidates_reference(st, g: int, lo: int, hi: int) -> list[int]:
@@ -263,6 +348,7 @@ def victim_cleans(scratch, ctl: list[int], j: torch.Tensor) -> tuple[torch.Tenso
 def victims_program(
     counts_ptr,
     P,
+    T,
     G,
     N,
     ctl_ptr,
@@ -291,6 +377,7 @@ def victims_program(
     R,
     frontier_ptr,
     frontier_size,
+    ring_blocks_ptr,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -322,6 +409,7 @@ def victims_program(
             status = status | K.ST_TOO_LARGE
     if status == 0:
         head = control_word(gctl, K.G_HEAD)
+        head0 = head  # where the classify programs' ring blocks start
         tail = control_word(gctl, K.G_TAIL)
         round_tail = control_word(gctl, K.G_ROUND_TAIL)
         # Kept in a register: a scalar store is one thread's, and re-loading the word right after
@@ -441,28 +529,32 @@ def victims_program(
                     bits_ptr, BW, lvl_ptr, n_levels, R, rnd, frontier_ptr, frontier_size, BLOCK
                 )
 
-        # -- make room for this call's appends: compact stale pairs out of the ring --------------
-        appends = H + V
+        # -- make room for this call's appends: the live pairs past the new head, compacted -------
+        # (the classify programs packed each block's; apply's ring programs copy them into place)
+        ring_blocks = tl.zeros((), dtype=tl.int64)
+        ring_base = tl.zeros((), dtype=tl.int64)
         if POLICY == K.EXACT_LRU:
-            if tail + appends - head > Qcap:
-                w = head
-                new_round_tail = head
-                r = head
-                while r < tail:
-                    qi = r + ar
-                    qm = qi < tail
-                    s = tl.load(q_slot_ptr + qi % Qcap, mask=qm, other=0)
-                    qv = tl.load(q_ver_ptr + qi % Qcap, mask=qm, other=0)
-                    keep = qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1))
-                    dst = (w + tl.cumsum(keep.to(tl.int64), axis=0) - 1) % Qcap
-                    tl.debug_barrier()  # every lane has read its pair before any lane overwrites one
-                    tl.store(q_slot_ptr + dst, s, mask=keep)
-                    tl.store(q_ver_ptr + dst, qv, mask=keep)
-                    new_round_tail += tl.sum((keep & (qi < round_tail)).to(tl.int64), axis=0)
-                    w += tl.sum(keep.to(tl.int64), axis=0)
-                    r += BLOCK
-                tail = w
-                round_tail = new_round_tail
+            if ring_compaction_due(head0, tail, T, G, Qcap):
+                ring_blocks = (tail - head0 + CHUNK - 1) // CHUNK
+                # Running totals of the blocks' live pairs, one past the last block included.
+                live = tl.zeros((), dtype=tl.int64)
+                for c0 in range(0, (ring_blocks + 1).to(tl.int32), BLOCK):
+                    c = c0 + ar
+                    n = tl.load(ring_blocks_ptr + 2 * c, mask=c < ring_blocks, other=0)
+                    tl.store(
+                        ring_blocks_ptr + 2 * c + 1, live + tl.cumsum(n, axis=0) - n, mask=c <= ring_blocks
+                    )
+                    live += tl.sum(n, axis=0)
+                tl.debug_barrier()  # the running totals stored above, before two lanes' loads below
+                dropped = _live_before(
+                    head, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
+                )
+                in_round = _live_before(
+                    round_tail, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
+                )
+                ring_base = head - dropped
+                tail = head + live - dropped
+                round_tail = head + in_round - dropped
 
         # -- per-chunk offsets: victim list, queue appends, CPU rows freed ---------------------------
         m_run = tl.zeros((), dtype=tl.int64)
@@ -513,8 +605,10 @@ def victims_program(
         plan = tl.where(cw == K.E_KFREE, k_free, tl.where(cw == K.E_VICTIMS, V, bottom))
         plan = tl.where(cw == K.E_SEGMENTS, segments, tl.where(cw == K.E_FILL, fill, plan))
         plan = tl.where(cw == K.E_POPS, pops, plan)
+        plan = tl.where(cw == K.E_RING_BLOCKS, ring_blocks, tl.where(cw == K.E_RING_BASE, ring_base, plan))
         planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE)
         planned = planned | (cw == K.E_SEGMENTS) | (cw == K.E_FILL) | (cw == K.E_POPS)
+        planned = planned | (cw == K.E_RING_BLOCKS) | (cw == K.E_RING_BASE)
         tl.store(ctl_ptr + cw, plan, mask=planned)
 
         # Counters, in one load and one store of the words that change. Evictions' bytes out are
@@ -594,6 +688,7 @@ def victims_reference(
             clean_run += int(scratch.seg[sw * k + sw + 2])
             scratch.seg[sw * k + sw] = run
             scratch.seg[sw * k + sw + 2] = clean_run
+        head0 = head  # where the classify's ring blocks start
         if bitmaps is None:
             scanned_from = head
             while len(victims) < M and head < round_tail:
@@ -631,17 +726,19 @@ def victims_reference(
                 round_reads = bitmaps.retire(rnd)
             bitmaps.store()
         V = len(victims)
-        if bitmaps is None and tail + H + V - head > Qcap:
-            kept = [
-                (int(st.q_slot[g, i % Qcap]), int(st.q_ver[g, i % Qcap]), i)
-                for i in range(head, tail)
-                if int(st.q_ver[g, i % Qcap]) == int(st.ver[g, int(st.q_slot[g, i % Qcap])])
-            ]
-            for k, (s, v, _) in enumerate(kept):
-                st.q_slot[g, (head + k) % Qcap] = s
-                st.q_ver[g, (head + k) % Qcap] = v
-            round_tail = head + sum(1 for *_, i in kept if i < round_tail)
-            tail = head + len(kept)
+        ring_blocks = ring_base = 0
+        if bitmaps is None and ring_compaction_due_reference(head0, tail, T, st.gpu_slots, Qcap):
+            # The live pairs past the new head, compacted from it (apply copies them into place).
+            ring_blocks = -(-(tail - head0) // C)
+            live = 0
+            for b in range(ring_blocks + 1):
+                scratch.ring_blocks[b, 1] = live
+                live += int(scratch.ring_blocks[b, 0]) if b < ring_blocks else 0
+            dropped = len(ring_live_reference(st, g, head0, head))
+            in_round = len(ring_live_reference(st, g, head0, round_tail))
+            ring_base = head - dropped
+            tail = head + live - dropped
+            round_tail = head + in_round - dropped
         # Per chunk: where its misses start, where its touches are appended, its rank among the
         # CPU rows freed. Misses past the free GPU slots pop a CPU row each.
         j, q_run, push_run = 0, tail, 0
@@ -671,6 +768,8 @@ def victims_reference(
         ctl[int(K.E_KFREE)] = k_free
         ctl[int(K.E_VICTIMS)] = V
         ctl[int(K.E_SEGMENTS)] = segments
+        ctl[int(K.E_RING_BLOCKS)] = ring_blocks
+        ctl[int(K.E_RING_BASE)] = ring_base
         # The lists, read as the kernels read them, give the policy's victims in its order.
         listed = victim_slots(scratch, ctl.tolist(), torch.arange(k_free, V)).tolist()
         assert listed == victims[k_free:], (

@@ -283,14 +283,23 @@ class CallScratch(_Tensors):
     seg: torch.Tensor  # int64 [3 * segments + 3]: each segment's first rank, place in cand, clean before
     copy_depth: torch.Tensor  # int32 [G]: a listed candidate's copy's depth in the CPU free list
     slot_of: torch.Tensor  # int32 [cap]: a prepare's slot of each element, as its evict phase wrote it
+    ring: torch.Tensor  # int64 [ring pairs]: a compacting call's live LRU ring pairs, block by block
+    ring_blocks: torch.Tensor  # int64 [lists + 1, 2]: each ring block's live pairs, and those before it
 
     @classmethod
     def allocate(
-        cls, capacity: int, device: torch.device, lists: int = 1, segments: int = 1, slots: int = 1
+        cls,
+        capacity: int,
+        device: torch.device,
+        lists: int = 1,
+        segments: int = 1,
+        slots: int = 1,
+        ring_pairs: int = 1,
     ) -> CallScratch:
         """Scratch for ``capacity`` elements. Eviction candidates come in ``lists`` lists of
         ``CHUNK`` (the LRU ring's length, or the GPU slots, over ``CHUNK``) cut in ``segments``
-        segments (exact LRU: one a list; PB-LRU: one a list and bucket), among ``slots`` GPU slots."""
+        segments (exact LRU: one a list; PB-LRU: one a list and bucket), among ``slots`` GPU slots;
+        a compacting call packs up to ``ring_pairs`` LRU ring pairs (the ring's length)."""
         chunks = triton.cdiv(capacity, K.CHUNK)
         lists, segments = max(chunks, lists), max(chunks, segments)
         i32 = dict(dtype=torch.int32, device=device)
@@ -309,6 +318,8 @@ class CallScratch(_Tensors):
             seg=torch.empty(3 * segments + 3, dtype=torch.int64, device=device),
             copy_depth=torch.empty(max(slots, 1), **i32),
             slot_of=torch.empty(capacity, **i32),
+            ring=torch.empty(max(ring_pairs, 1), dtype=torch.int64, device=device),
+            ring_blocks=torch.empty((lists + 1, 2), dtype=torch.int64, device=device),
         )
 
     @property
@@ -331,6 +342,8 @@ class CallScratch(_Tensors):
             "cand_ptr": self.cand,
             "seg_ptr": self.seg,
             "copy_depth_ptr": self.copy_depth,
+            "ring_ptr": self.ring,
+            "ring_blocks_ptr": self.ring_blocks,
         }
 
 
@@ -377,6 +390,7 @@ class TieredLayout:
             lists=max(ring_lists, slot_lists),
             segments=max(ring_lists, slot_lists * max(st.num_buckets, 1)),
             slots=st.gpu_slots,
+            ring_pairs=ring_lists * K.CHUNK if st.policy == K.EXACT_LRU else 1,
         )
         if not self._reserved:
             self._scratch = fresh
