@@ -26,7 +26,7 @@ import torch
 
 from .errors import UlakvError
 from .kernels import common as K
-from .kernels.victims import victim_cleans, victim_slots
+from .kernels.victims import pop_index, victim_cleans, victim_slots
 
 
 class Phase(enum.IntEnum):
@@ -101,7 +101,7 @@ class TransferPlan:
         # A clean victim pops no row when the plan fills (K.E_FILL): the others pop in order.
         fill = int(ctl[int(K.E_FILL)])
         popped = sc.popped.cpu().to(torch.int64)
-        pop = (j - k_free - before * fill).clamp(min=0, max=popped.numel() - 1)
+        pop = pop_index(j, k_free, before, fill).clamp(min=0, max=popped.numel() - 1)
         pops = (j >= k_free) & ~(clean & bool(fill))
         cpu_row = torch.where(pops, popped[pop], -1)
         return {

@@ -41,7 +41,15 @@ from ._triton import INTERPRETED, tl, triton
 from .buckets import PBLRUBits
 from .operands import as_words
 from .rows import aligned_to, load_units, store_units, unit_offsets, vector_unit, vectors_per_row
-from .victims import control_word, ring_block_copy, victim_cleans, victim_slot, victim_slots
+from .victims import (
+    control_word,
+    pop_index,
+    pop_index_jit,
+    ring_block_copy,
+    victim_cleans,
+    victim_slot,
+    victim_slots,
+)
 
 # Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
 # interpreter pays per operation, not per element, so it takes 4x larger tiles. The launcher reads
@@ -90,7 +98,7 @@ def _miss_tile(
     # Filling, clean victims pop nothing: the others pop the top rows in order.
     fills = tl.where(clean, fill, 0) != 0
     takes_row = popping & ~fills
-    cpu_row = tl.load(popped_ptr + (j - k_free - before * fill), mask=takes_row, other=0)
+    cpu_row = tl.load(popped_ptr + pop_index_jit(j, k_free, before, fill), mask=takes_row, other=0)
     return p, a, src, mm, has_slot, v, fills, before, popping, cpu_row
 
 
@@ -421,7 +429,7 @@ def apply_kernel(
                 pushes = mm & (src >= G)
                 if not CACHE:
                     push = control_word(ctl, K.E_PUSH_BASE) + tl.load(off + K.O_PUSH) - before * fill
-                    push = (push + tl.load(cpu_rank_ptr + p, mask=pushes, other=0)) % C
+                    push = K.wrap(push + tl.load(cpu_rank_ptr + p, mask=pushes, other=0), C)  # < 2C
                     filling = pushes & fills
                     push = tl.where(filling, tl.load(cpu_pos_ptr + copy, mask=filling, other=0), push)
                     tl.store(cpu_free_ptr + push, src - G, mask=pushes)
@@ -463,7 +471,8 @@ def apply_kernel(
                     flags = tl.load(flags_ptr + pos, mask=inb, other=0)
                     appended = ((flags & K.F_FIRST) != 0) & (slot >= 0)
                     q_off = tl.load(off + K.O_QUEUE)
-                    q_pos = (q_off + tl.cumsum(appended.to(tl.int64), axis=0) - 1) % Qcap
+                    # (a call appends at most G <= Qcap / 2 pairs: the position wraps once at most)
+                    q_pos = K.wrap(q_off % Qcap + tl.cumsum(appended.to(tl.int64), axis=0) - 1, Qcap)
                     version = tl.load(ver_ptr + slot, mask=appended, other=0) + 1
                     tl.store(ver_ptr + slot, version, mask=appended)
                     tl.store(q_slot_ptr + q_pos, slot, mask=appended)
@@ -687,7 +696,7 @@ def apply_reference(
             if fill and v is not None and bool(clean_bit[j]):
                 copy = mine
             elif j >= k_free:
-                popped = int(scratch.popped[j - k_free - fill * int(before[j] if j < V else 0)])
+                popped = int(scratch.popped[pop_index(j, k_free, int(before[j] if j < V else 0), fill)])
                 # Back to its copy when intact and no pop of the call took it.
                 if mine >= 0 and int(st.copy_slot[g, mine]) == v:
                     if int(scratch.copy_depth[v]) >= pops or mine == popped:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from . import common as K
 from ._triton import tl, triton
 
 
@@ -325,7 +326,7 @@ def search(bucket: torch.Tensor, gpu_slots: int, count: int) -> tuple[torch.Tens
         buf_size=offsets[1],
         out_ptr=out,
         stats_ptr=stats,
-        BLOCK=1024,
+        BLOCK=K.BLOCK,
     )
     got, reads = stats.tolist()
     return out[:got], reads

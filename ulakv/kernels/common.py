@@ -6,11 +6,16 @@ Control words live in small int64 device tensors so a step never needs the host 
 
 from __future__ import annotations
 
-from ._triton import tl
+from ._triton import tl, triton
 
 # Elements of a selection are processed in chunks of this many per program: a block size, so one
 # compilation serves every batch size. 1024 int64 addresses keep a program at 8 KiB of loads.
 CHUNK = 1024
+
+# Lanes of one step of a program that loops: running totals over chunks, candidate segments or ring
+# blocks (one step covers a million elements, ring pairs or slots: 1024 x CHUNK), a release's or an
+# admission's addresses, a bitmap's words. 1024 int64 lanes are 8 KiB a load, 8 a thread of 4 warps.
+BLOCK = 1024
 
 # ctl: pool-wide, one call at a time.
 E_EPOCH = tl.constexpr(0)  # increments every call; tags claims and protection marks
@@ -118,6 +123,15 @@ M_UNHOMED = tl.constexpr(-2)
 # epoch; epochs must stay below 2**31 to keep the key positive, after which scratch is reset.
 EPOCH_LIMIT = 2**31 - 1
 POS_MASK = 0xFFFFFFFF
+
+
+@triton.jit
+def wrap(i, n):
+    """``i`` modulo ``n`` for ``-n <= i < 2n`` (a ring index one lap off at most): a compare and an
+    add or subtract, where a 64-bit remainder by a runtime value is a software routine of tens of
+    instructions on a GPU."""
+    i = tl.where(i >= n, i - n, i)
+    return tl.where(i < 0, i + n, i)
 
 
 def next_pow2(n: int) -> int:

@@ -37,8 +37,6 @@ import torch
 from . import common as K
 from ._triton import tl, triton
 
-BLOCK = 1024
-
 
 @triton.jit
 def _block(addr_ptr, i0, n, N, BLOCK: tl.constexpr):
@@ -127,13 +125,13 @@ def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: i
         capacity=capacity,
         ctl_ptr=state.ctl,
         ADMIT=admit,
-        BLOCK=BLOCK,
+        BLOCK=K.BLOCK,
     )
     if not admit:
         return 1
     # Blocks on the grid's first axis (up to 2**31 - 1 programs), groups on the second (65,535).
-    mark_live_kernel[(triton.cdiv(n, BLOCK), state.num_groups)](
-        addr_ptr=addrs, n=n, map_ptr=state.mapping, N=state.num_addresses, ctl_ptr=state.ctl, BLOCK=BLOCK
+    mark_live_kernel[(triton.cdiv(n, K.BLOCK), state.num_groups)](
+        addr_ptr=addrs, n=n, map_ptr=state.mapping, N=state.num_addresses, ctl_ptr=state.ctl, BLOCK=K.BLOCK
     )
     return 2
 

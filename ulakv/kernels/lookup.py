@@ -41,7 +41,6 @@ from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
 from .victims import (
-    BLOCK,
     SEG_WORDS,
     _clean_candidates,
     _packed_candidates,
@@ -54,6 +53,7 @@ from .victims import (
     ring_compaction_due_reference,
     ring_live,
     ring_live_reference,
+    store_segment,
     victims_program,
     victims_reference,
 )
@@ -260,7 +260,6 @@ def classify_kernel(
     # below them is safe from every pop, so its eviction is clean whatever apply pops.
     n_need = tl.load(ctl_ptr + K.E_NEED)
     pops = n_need - tl.minimum(n_need, n_free)
-    three = tl.arange(0, 4)  # a segment's words: where its list starts, its length, its clean count
 
     if POLICY == K.EXACT_LRU:
         # -- candidates: this program's segment of the LRU ring ---------------------------------
@@ -276,12 +275,13 @@ def classify_kernel(
         else:
             limit = tail  # a prepare starts a round: everything before is older
         compacting = ring_compaction_due(head, tail, T, G, Qcap)
-        qi = head + pos
         # Program p lists segment p while p < chunks: limit moved to head for the rest, who scan
         # (up to tail) only when compacting.
         limit = tl.where(pid < chunks, limit, head)
-        live, s, qv = ring_live(qi, tl.where(compacting, tail, limit), q_slot_ptr, q_ver_ptr, Qcap, ver_ptr)
-        eligible = live & (qi < limit)
+        live, s, qv = ring_live(
+            head, pos, tl.where(compacting, tail, limit), q_slot_ptr, q_ver_ptr, Qcap, ver_ptr
+        )
+        eligible = live & (head + pos < limit)
         eligible = eligible & (tl.load(mark_ptr + s, mask=eligible, other=0) != epoch)
         clean = eligible & (tl.zeros_like(s) != 0)
         if not CACHE:
@@ -292,8 +292,7 @@ def classify_kernel(
         cand_rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
         tl.store(cand_ptr + pid.to(tl.int64) * CHUNK + cand_rank, packed, mask=eligible)
         n = tl.sum(eligible.to(tl.int64), axis=0)
-        words = tl.where(three == 0, pid.to(tl.int64) * CHUNK, tl.where(three == 1, n, n_clean))
-        tl.store(seg_ptr + SEG_WORDS * pid + 1 + 2 * three, words, mask=three < tl.where(pid < chunks, 3, 0))
+        store_segment(seg_ptr, pid, pid.to(tl.int64) * CHUNK, n, n_clean, pid < chunks)
         if compacting:
             ring_block_scan(pid, live, s, qv, ring_ptr, ring_blocks_ptr, CHUNK)
     else:
@@ -328,9 +327,7 @@ def classify_kernel(
                 tl.store(cand_ptr + at + listed + list_rank, packed, mask=eligible)
                 k = (tl.zeros((), tl.int64) + i) * ranges + q  # candidate order: bucket by bucket
                 n = tl.sum(eligible.to(tl.int64), axis=0)
-                # Where the list starts in cand, its length and its clean count, in one store.
-                words = tl.where(three == 0, at + listed, tl.where(three == 1, n, n_clean))
-                tl.store(seg_ptr + SEG_WORDS * k + 1 + 2 * three, words, mask=three < 3)
+                store_segment(seg_ptr, k, at + listed, n, n_clean, True)
                 listed += n
 
     # -- the last program to arrive plans the call --------------------------------------------------
@@ -426,7 +423,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         WRITE=write,
         POLICY=st.policy,
         CHUNK=K.CHUNK,
-        BLOCK=BLOCK,
+        BLOCK=K.BLOCK,
         CACHE=st.CACHE,
     )
     return 2

@@ -16,8 +16,6 @@ from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
 
-BLOCK = 1024
-
 
 # Not specialised: every int (n varies with the request; the rest are pool constants that feed no
 # vectorisable access) and addr_ptr's alignment (the caller's addresses). Every other pointer is a
@@ -67,7 +65,7 @@ def release_kernel(
         on_gpu = im & (h >= 0) & (h < G)
         on_cpu = im & (h >= G)
         g_rank = gpu_top + tl.cumsum(on_gpu.to(tl.int64), axis=0) - 1
-        c_rank = (cpu_top + tl.cumsum(on_cpu.to(tl.int64), axis=0) - 1) % C
+        c_rank = K.wrap(cpu_top + tl.cumsum(on_cpu.to(tl.int64), axis=0) - 1, C)  # cpu_top < 2C
         tl.store(gpu_free_ptr + g * G + g_rank, h, mask=on_gpu)
         tl.store(cpu_free_ptr + g * C + c_rank, h - G, mask=on_cpu)
         tl.store(cpu_pos_ptr + g * C + h - G, c_rank.to(tl.int32), mask=on_cpu)
@@ -118,7 +116,7 @@ def release(addrs, state, checked: bool = False) -> int:
         ctl_ptr=state.ctl,
         POLICY=state.policy,
         CHECKED=checked,
-        BLOCK=BLOCK,
+        BLOCK=K.BLOCK,
     )
     return 1
 

@@ -54,25 +54,23 @@ from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
 
-BLOCK = 1024
-
 
 @triton.jit
-def ring_live(qi, end, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr):
-    """Which ring positions ``qi`` (below ``end``) hold a live pair: its version is still its
-    slot's. Returns (live mask, slot, version)."""
-    qm = qi < end
-    at = qi % Qcap
+def ring_live(head, off, end, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr):
+    """Which ring positions ``head + off`` (below ``end``, at most the ring's tail) hold a live
+    pair: its version is still its slot's. Returns (live mask, slot, version)."""
+    qm = head + off < end
+    at = K.wrap(head % Qcap + off, Qcap)  # off < tail - head <= Qcap where qm holds
     s = tl.load(q_slot_ptr + at, mask=qm, other=0)
     qv = tl.load(q_ver_ptr + at, mask=qm, other=0)
     return qm & (qv == tl.load(ver_ptr + s, mask=qm, other=-1)), s, qv
 
 
 @triton.jit
-def _ring_candidates(qi, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch):
-    """Which ring positions ``qi`` (below ``limit``) hold a live pair of an unprotected slot: an
-    eviction candidate. Returns (candidate mask, slot)."""
-    live, s, _ = ring_live(qi, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr)
+def _ring_candidates(head, off, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch):
+    """Which ring positions ``head + off`` (below ``limit``) hold a live pair of an unprotected
+    slot: an eviction candidate. Returns (candidate mask, slot)."""
+    live, s, _ = ring_live(head, off, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr)
     return live & (tl.load(mark_ptr + s, mask=live, other=0) != epoch), s
 
 
@@ -114,7 +112,7 @@ def _live_before(x, head, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ve
     """Live pairs at ring positions ``head .. x`` (``x <= tail``): the running total of ``x``'s
     block (``ring_blocks[2b + 1]``, one past the last block included) plus its block's below ``x``."""
     b = (x - head) // CHUNK
-    live, _, _ = ring_live(head + b * CHUNK + tl.arange(0, CHUNK), x, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr)
+    live, _, _ = ring_live(head, b * CHUNK + tl.arange(0, CHUNK), x, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr)
     return tl.load(ring_blocks_ptr + 2 * b + 1) + tl.sum(live.to(tl.int64), axis=0)
 
 
@@ -132,10 +130,8 @@ def ring_block_copy(
     j = tl.arange(0, CHUNK)
     packed = tl.load(ring_ptr + b.to(tl.int64) * CHUNK + j, mask=j < n, other=0)
     keep = (j < n) & (ring_base + before + j >= new_head)
-    # One remainder a program: before + j < Qcap (live pairs never outnumber the ring), so the
-    # position wraps at most once.
-    at = ring_base % Qcap + before + j
-    at = tl.where(at >= Qcap, at - Qcap, at)
+    # One remainder a program: before + j < Qcap (live pairs never outnumber the ring).
+    at = K.wrap(ring_base % Qcap + before + j, Qcap)
     tl.store(q_slot_ptr + at, (packed >> 32).to(tl.int32), mask=keep)
     tl.store(q_ver_ptr + at, (packed & 0xFFFFFFFF).to(tl.int32), mask=keep)
 
@@ -191,6 +187,17 @@ CAND_SLOT_MASK = tl.constexpr(0xFFFFFFFF)
 # A segment's words in ``seg``: candidates before it, where its list starts in cand, clean candidates
 # before it. The classify stores a segment's lengths one segment on (its next's first words).
 SEG_WORDS = tl.constexpr(3)
+
+
+@triton.jit
+def store_segment(seg_ptr, k, start, length, clean, listed):
+    """Segment ``k``'s words in one store: where its list starts in ``cand`` (word 3k + 1), and its
+    length and clean count (or, once summed, the running totals through it), which sit one segment
+    on (words 3k + 3 and 3k + 5: the next segment's first rank and clean before it). Nothing when
+    ``listed`` is false (a launch may have programs past its segments)."""
+    w = tl.arange(0, 4)
+    words = tl.where(w == 0, start, tl.where(w == 1, length, clean))
+    tl.store(seg_ptr + SEG_WORDS * k + 1 + 2 * w, words, mask=w < tl.where(listed, 3, 0))
 
 
 @triton.jit
@@ -255,6 +262,17 @@ def need_pops(st, g: int) -> int:
     the misses), as ``classify`` computes it."""
     need = int(st.ctl[int(K.E_NEED)])
     return need - min(need, int(st.gctl[g, int(K.G_GPU_FREE)]))
+
+
+def pop_index(j, k_free, before, fill):
+    """Which of the call's popped CPU rows (the free list's top, in order) miss ``j`` takes, if it
+    pops one: one a miss past the ``k_free`` free GPU slots, but none for the ``before`` clean
+    victims ahead of it when the plan fills (``fill`` 1). Python ints, tensors, or (``pop_index_jit``)
+    a kernel's values."""
+    return j - k_free - before * fill
+
+
+pop_index_jit = triton.jit(pop_index)
 
 
 @triton.jit
@@ -456,9 +474,9 @@ def victims_program(
             # Rarely (stale or protected pairs crowd the ring's head) the lists fall short: list more
             # segments here, one after another.
             while (run < want) & (head + segments * CHUNK < round_tail):
-                qi = head + segments * CHUNK + tl.arange(0, CHUNK)
+                off = segments * CHUNK + tl.arange(0, CHUNK)
                 eligible, s = _ring_candidates(
-                    qi, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
+                    head, off, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
                 )
                 clean = eligible & (tl.zeros_like(s) != 0)
                 if not CACHE:
@@ -471,9 +489,7 @@ def victims_program(
                 tl.store(cand_ptr + segments * CHUNK + rank, packed, mask=eligible)
                 run += tl.sum(eligible.to(tl.int64), axis=0)
                 clean_run += n_clean
-                three = tl.arange(0, 4)
-                words = tl.where(three == 0, segments * CHUNK, tl.where(three == 1, run, clean_run))
-                tl.store(seg_ptr + SEG_WORDS * segments + 1 + 2 * three, words, mask=three < 3)
+                store_segment(seg_ptr, segments, segments * CHUNK, run, clean_run, True)
                 segments += 1
         got = tl.minimum(run, want)
         # Every lane's running totals (the prefix loop's and the extension's stores to seg) before
@@ -511,7 +527,7 @@ def victims_program(
                     # The last victim's ring position, in its segment.
                     qi = head + last_seg * CHUNK + tl.arange(0, CHUNK)
                     eligible, s = _ring_candidates(
-                        qi, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
+                        head, qi - head, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
                     )
                     rank = tl.load(seg_ptr + SEG_WORDS * last_seg) + tl.cumsum(eligible.to(tl.int64), axis=0)
                     new_head = tl.max(tl.where(eligible & (rank == want), qi, -1), axis=0) + 1
