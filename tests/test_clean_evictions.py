@@ -482,6 +482,48 @@ def test_tight_traffic_pops_copies_and_loses_nothing(policy) -> None:
     assert pool.stats()["clean_evictions"] > 0
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_describe_names_the_row_every_victim_lands_in(policy) -> None:
+    """``TransferPlan.describe()``, read before the run, says where each victim's entry will live
+    and which evictions move no bytes, exactly as the run then does it: the plan's clean victims,
+    and those whose copy the call's actual pops (fewer than its bound) or their own pop left intact."""
+    pool = tiered(policy, gpu=5, cpu=4, width=5, staging=3)
+    model, rng, seqs = RowModel(5), random.Random(2), []
+    G, seen = pool._state.gpu_slots, {"fills": 0, "own_pop": 0, "below_the_pops": 0, "dirty": 0}
+    for _ in range(40):
+        live = [x for s in seqs for x in s._addresses]
+        if (rng.random() < 0.2 or len(live) < 7) and pool.free_addresses:
+            seqs.append(pool.admit(rng.randint(1, min(3, pool.free_addresses))))
+            fill(pool, model, seqs[-1]._addresses, seed=rng.randrange(1000))
+            continue
+        group = rng.randrange(pool.num_groups)
+        gpu, cpu = split(pool, group, live)
+        misses = rng.randint(1, min(3, len(cpu)))
+        sel = addr_tensor([rng.sample(cpu, misses) + rng.sample(gpu, min(len(gpu), 3 - misses))])
+        owner = pool._state.owner[group].clone()
+        s0 = pool.stats()
+        plan = pool.plan(group, sel)
+        moves = plan.describe()
+        pool.run(plan)
+        d = deltas(s0, pool.stats())
+        evicted = (moves["victim_row"] >= 0) & (owner[moves["gpu_slot"].clamp(min=0)] >= 0)
+        mapping = pool._state.mapping[group]
+        landed = zip(moves["gpu_slot"][evicted].tolist(), moves["victim_row"][evicted].tolist(), strict=True)
+        for slot, row in landed:
+            assert int(mapping[int(owner[slot])]) == G + row, "a victim is not where describe() put it"
+        clean = moves["clean"] & evicted
+        assert d["clean_evictions"] == int(clean.sum())
+        assert d["bytes_out"] == int((evicted & ~clean).sum()) * row_bytes(pool, group)
+        assert torch.equal(plan.slots.view(-1)[moves["position"]].long(), moves["gpu_slot"])
+        seen["fills"] += int((clean & (moves["cpu_row"] < 0)).sum())
+        popped = clean & (moves["cpu_row"] >= 0)  # went back to its copy all the same: the row it
+        seen["own_pop"] += int((popped & (moves["victim_row"] == moves["cpu_row"])).sum())  # popped,
+        seen["below_the_pops"] += int((popped & (moves["victim_row"] != moves["cpu_row"])).sum())  # or deeper
+        seen["dirty"] += int((evicted & ~clean).sum())
+        assert_reads(pool, model, [x for s in seqs for x in s._addresses])
+    assert min(seen.values()) > 0, seen
+
+
 # --------------------------------------------------------------------------------------------------
 # 5. a plan with clean and dirty victims, stopped after each phase
 

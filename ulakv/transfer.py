@@ -68,6 +68,10 @@ class TransferPlan:
     # The caller's output buffer when the kernels cannot store into it in place (strided, or
     # unaligned): ``slots`` are copied into it as soon as the evict phase has written them.
     out: torch.Tensor | None = None
+    # The group's copy words (``copy_row``, ``copy_slot``) as the plan found them (they change only
+    # at commit): with ``scratch.copy_depth`` and the plan's pops they decide which victims go back
+    # to their copies. ``None`` for a striped buffer, whose victims are dropped.
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None
     applied: int = 0
     layers_in: set[int] = field(default_factory=set)
 
@@ -81,11 +85,13 @@ class TransferPlan:
         return range(start, self.layers.stop)
 
     def describe(self) -> dict[str, torch.Tensor]:
-        """The plan's moves as host tensors (synchronises; for tests and debugging): per miss its
-        selection position, address, source home (mapping value), destination GPU slot (-1: none),
-        the CPU row that receives its victim or itself (-1: none), and whether the victim goes back
-        to its copy, a free row that still holds its bytes, with no bytes moved (``clean``; its
-        ``cpu_row`` is -1 when the plan fills, the row it popped and hands back otherwise)."""
+        """The plan's moves as host tensors, exactly as ``run`` will make them (synchronises; for
+        tests and debugging; before the plan commits): per miss its selection position, address,
+        source home (mapping value), destination GPU slot (-1: none), the CPU row it pops for its
+        victim or itself (``cpu_row``, -1: none), whether its victim goes back to its copy, a free
+        row that still holds its bytes, with no bytes moved (``clean``), and the CPU row its victim's
+        entry lives in afterwards (``victim_row``: the copy when clean, else ``cpu_row``; -1 for a
+        miss into a free slot, one without a slot, or a buffer's dropped victim)."""
         sc = self.scratch
         T = self.addresses.numel()
         chunks = -(-T // K.CHUNK)
@@ -102,8 +108,21 @@ class TransferPlan:
         fill = int(ctl[int(K.E_FILL)])
         popped = sc.popped.cpu().to(torch.int64)
         pop = pop_index(j, k_free, before, fill).clamp(min=0, max=popped.numel() - 1)
-        pops = (j >= k_free) & ~(clean & bool(fill))
+        fills = clean & bool(fill)
+        pops = (j >= k_free) & ~fills
         cpu_row = torch.where(pops, popped[pop], -1)
+        evicting = (j >= k_free) & (j < victims)
+        victim_row = torch.full_like(j, -1)
+        if self.copies is not None:
+            # As apply decides: a victim that pops a row still goes back to its intact copy when
+            # the call's pops (K.E_POPS) stop above it, or when the row it popped is that copy.
+            copy_row, copy_slot = (t.cpu().to(torch.int64) for t in self.copies)
+            copy = torch.where(evicting, copy_row[dest.clamp(min=0)], -1)
+            intact = (copy >= 0) & (copy_slot[copy.clamp(min=0)] == dest)
+            depth = sc.copy_depth.cpu().to(torch.int64)[dest.clamp(min=0)]
+            back = pops & intact & ((depth >= int(ctl[int(K.E_POPS)])) | (copy == cpu_row))
+            clean = fills | (evicting & back)
+            victim_row = torch.where(evicting, torch.where(clean, copy, cpu_row), -1)
         return {
             "position": pos,
             "address": self.addresses.cpu()[pos].to(torch.int64),
@@ -111,6 +130,7 @@ class TransferPlan:
             "gpu_slot": dest,
             "cpu_row": cpu_row,
             "clean": clean,
+            "victim_row": victim_row,
         }
 
 

@@ -444,6 +444,7 @@ class TieredLayout:
             write_layer=layer,
             ctl=st.ctl,
             out=fill_later,
+            copies=None if st.CACHE else (st.copy_row[group], st.copy_slot[group]),
         )
         return plan, launches
 
