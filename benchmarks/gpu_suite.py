@@ -498,6 +498,9 @@ def prepare_steps(device: torch.device, sizes: Sizes, ceil: dict[str, float]) ->
                         "hit_rate": (after["hits"] - before["hits"])
                         / max(1, after["hits"] - before["hits"] + after["misses"] - before["misses"]),
                         "victims_per_step": (after["victims"] - before["victims"]) / calls,
+                        # Exact LRU: ring pairs compaction scanned; PB-LRU: words its round ends merged.
+                        "upkeep_reads_per_step": (after["round_upkeep_reads"] - before["round_upkeep_reads"])
+                        / calls,
                         "misses_per_step": misses,
                         "us_misses_at_h2d_ceiling": misses * ROW / (ceil["pinned_h2d_GBps"] * 1e9) * 1e6,
                         # Device time of the call's kernels (the rest of the wall-clock time is host work)

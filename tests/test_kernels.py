@@ -205,6 +205,7 @@ def test_ring_compaction_across_blocks_matches_reference(split: bool) -> None:
     compacted, dropped, wrapped = 0, 0, False  # two-block compactions, with pairs dropped, across the end
     for step in range(24):
         span = [int(st.gctl[0, int(w)]) for w in (K.G_HEAD, K.G_TAIL)]
+        upkeep = int(st.stats[int(K.S_ROUND_READS)])
         if step % 4 == 3:  # a write of entries on either tier: round tail < tail
             picks = rng.sample(range(1000), 37)
             rows = random_rows(gen, 37, 4)
@@ -214,6 +215,8 @@ def test_ring_compaction_across_blocks_matches_reference(split: bool) -> None:
             run_stagewise(pool, 0, seq.addresses[picks], split=split)
         blocks, base = int(st.ctl[int(K.E_RING_BLOCKS)]), int(st.ctl[int(K.E_RING_BASE)])
         compacted += blocks == 2
+        scanned = span[1] - span[0] if blocks else 0  # the policy's upkeep: every pair of the span
+        assert int(st.stats[int(K.S_ROUND_READS)]) - upkeep == scanned
         dropped += blocks > 0 and base < int(st.gctl[0, int(K.G_HEAD)])
         wrapped |= blocks > 0 and span[0] // Qcap != (span[1] - 1) // Qcap  # scanned across the end
         pool.check_invariants()

@@ -569,6 +569,7 @@ def victims_program(
                     round_tail, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
                 )
                 ring_base = head - dropped
+                round_reads = tail - head0  # the policy's upkeep: ring pairs the blocks scanned
                 tail = head + live - dropped
                 round_tail = head + in_round - dropped
 
@@ -753,6 +754,7 @@ def victims_reference(
             dropped = len(ring_live_reference(st, g, head0, head))
             in_round = len(ring_live_reference(st, g, head0, round_tail))
             ring_base = head - dropped
+            round_reads = tail - head0
             tail = head + live - dropped
             round_tail = head + in_round - dropped
         # Per chunk: where its misses start, where its touches are appended, its rank among the
