@@ -29,11 +29,17 @@ KERNELS = [
 
 # Resident warps an SM a memory-bound kernel needs at least to hide HBM latency (of 64 on sm_90).
 WARP_FLOOR = 16
-# Kernels still below the floor, with the fewest resident warps any of their variants keeps today
-# (registers a thread: apply 199-244, classify 240-254, release 128-137). Each is held to that
-# figure, and must leave this table once every variant reaches the floor: splitting them into
-# kernels of one phase each is open work.
-BELOW_FLOOR = {"apply_kernel": 8, "classify_kernel": 8, "release_kernel": 12}
+# Variants still below the floor, by kernel and the mode flags that select them (``compile_check``'s
+# flags column; "" selects every variant), with the fewest resident warps they keep today (registers
+# a thread: apply 199-252 at 4 warps; PB-LRU's classify 178-190 at 8 warps, its listing of every
+# bucket; PB-LRU's release 140). Each is held to that figure, and must leave this table once its
+# variants reach the floor: splitting them into kernels of one phase each is open work. Exact LRU's
+# classify reached it (106-124 registers at 8 warps: 16).
+BELOW_FLOOR = {
+    ("apply_kernel", ""): 8,
+    ("classify_kernel", "POLICY=1"): 8,
+    ("release_kernel", "POLICY=1"): 12,
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +80,16 @@ def test_rows_move_in_16_byte_vectors(variants: tuple[str, list[dict]]) -> None:
 
 def test_every_kernel_keeps_enough_warps_resident(variants: tuple[str, list[dict]]) -> None:
     _, found = variants
-    fewest: dict[str, int] = {}
+    fewest: dict[tuple[str, str], int] = {}
     for v in found:
-        fewest[v["kernel"]] = min(fewest.get(v["kernel"], 64), v["resident_warps"])
-    below = {name: warps for name, warps in fewest.items() if warps < WARP_FLOOR}
-    assert below == BELOW_FLOOR, (
-        f"kernels under {WARP_FLOOR} resident warps an SM (fewest of their variants): {below}; "
-        f"expected {BELOW_FLOOR} (a kernel that reached the floor leaves that table)"
+        if v["resident_warps"] >= WARP_FLOOR:
+            continue
+        key = next(
+            ((k, f) for k, f in BELOW_FLOOR if k == v["kernel"] and f in v["flags"]),
+            (v["kernel"], v["flags"]),
+        )
+        fewest[key] = min(fewest.get(key, 64), v["resident_warps"])
+    assert fewest == BELOW_FLOOR, (
+        f"variants under {WARP_FLOOR} resident warps an SM (fewest of each): {fewest}; "
+        f"expected {BELOW_FLOOR} (variants that reached the floor leave that table)"
     )

@@ -146,6 +146,9 @@ class Variant:
     widest_load_bits: int  # widest ld.global in the PTX (a row moved 16 bytes at a time: 128)
     widest_store_bits: int
     vector_bytes: int  # bytes a row's vector holds in this variant (``UNIT_BYTES``), 0 if it moves none
+    # The mode flags it was specialised for (WRITE, POLICY, CACHE, ADMIT, CHECKED: those it has),
+    # e.g. "POLICY=0 WRITE=1": which of a kernel's paths a row of the table is.
+    flags: str = ""
 
     @property
     def resident_warps(self) -> int:
@@ -163,6 +166,8 @@ def resident_warps(registers: int, warps: int, shared_bytes: int) -> int:
     shared = -(-shared_bytes // 128) * 128 + 1024
     return min(programs, (228 * 1024) // shared) * warps
 
+
+_FLAGS = ("POLICY", "WRITE", "CACHE", "ADMIT", "CHECKED")
 
 _PTX_WIDTHS = {"b8": 8, "b16": 16, "b32": 32, "b64": 64, "u8": 8, "u16": 16, "u32": 32, "u64": 64}
 
@@ -227,6 +232,7 @@ def compile_all(arch: int = 90) -> list[Variant]:
                 widest_load_bits=_widest(ptx, "ld"),
                 widest_store_bits=_widest(ptx, "st"),
                 vector_bytes=int(constants.get("UNIT_BYTES", 0)),
+                flags=" ".join(f"{k}={int(constants[k])}" for k in _FLAGS if k in constants),
             )
         )
 
@@ -254,12 +260,13 @@ def main() -> None:
     print(f"variants: {len(variants)} ({', '.join(f'{k} {counts[k]}' for k in names)})")
     print(
         "kernel | registers | stack (B) | shared (B) | warps | resident warps | widest load | widest store"
-        " | row vector (B)"
+        " | row vector (B) | flags"
     )
     for v in sorted(variants, key=lambda v: v.kernel):
         print(
             f"{v.kernel} | {v.registers} | {v.stack_bytes} | {v.shared_bytes} | {v.warps} | "
-            f"{v.resident_warps} | {v.widest_load_bits} | {v.widest_store_bits} | {v.vector_bytes}"
+            f"{v.resident_warps} | {v.widest_load_bits} | {v.widest_store_bits} | {v.vector_bytes} | "
+            f"{v.flags}"
         )
     if args.json is not None:
         args.json.write_text(

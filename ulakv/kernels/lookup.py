@@ -378,6 +378,18 @@ def classify_kernel(
         )
 
 
+# The classify launch's shape, read from the sm_90 cubins (``python -m ulakv.kernels.compile_check``):
+# a thread's registers are the most any path of the kernel needs, and the planning program (one
+# program of the launch) needed the most. At 8 warps a CHUNK of 1,024 elements is 4 a thread, and
+# exact LRU's planning program over 256 lanes a step fits too: 106-124 registers, 16 resident warps
+# an SM (4 warps and 1,024 lanes: 240-255 registers, 8 warps). PB-LRU's listing of every bucket keeps
+# its chunks' programs at 152-190 registers whatever the planning program's lanes (256 lanes spill
+# there), so it plans 1,024 lanes a step: 8 resident warps, as before, 64 fewer registers a thread.
+# More steps for exact LRU's planning program over 256 lanes: one per 256 chunks or ring blocks.
+CLASSIFY_WARPS = 8
+PLAN_LANES = {K.EXACT_LRU: 256, K.PBLRU: K.BLOCK}
+
+
 def classify_programs(st, T: int) -> int:
     """The classify launch's programs: one a chunk of the selection, and at least one a ring block
     (exact LRU: a compacting call scans the whole ring) or a range of CHUNK slots (PB-LRU: none
@@ -423,8 +435,9 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         WRITE=write,
         POLICY=st.policy,
         CHUNK=K.CHUNK,
-        BLOCK=K.BLOCK,
+        BLOCK=PLAN_LANES[st.policy],
         CACHE=st.CACHE,
+        num_warps=CLASSIFY_WARPS,
     )
     return 2
 

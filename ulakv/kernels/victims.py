@@ -81,10 +81,10 @@ def _ring_candidates(head, off, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mar
 # the blocks' counts into running totals (one BLOCK step per million ring pairs) and the new tail;
 # each of apply's ring programs copies one block's pairs to their places (``ring_block_copy``). The
 # ring holds 2G pairs and at most G are live (one a slot that holds an entry), and a call appends
-# at most min(T, G) (a pair a distinct slot it hits or fills): a call compacts when its appends
-# could overflow the ring as the call began (``ring_compaction_due``), which leaves at least G
-# positions free after it, so the ring never overflows and compaction happens at most once every
-# (G - min(T, G)) / min(T, G) + 1 calls.
+# at most min(T, G) (a pair a distinct slot it hits or fills): the classify programs scan when a
+# call's elements could overflow the ring as it began, and the call compacts when the appends it
+# does make would (``ring_compaction_due`` of both), which leaves at least G positions free after
+# it, so the ring never overflows and calls of a appends compact at most once every (G - a) / a + 1.
 
 
 @triton.jit
@@ -184,6 +184,8 @@ def _column(counts, word):
 CAND_CLEAN_BIT = tl.constexpr(32)
 CAND_BEFORE_SHIFT = tl.constexpr(33)
 CAND_SLOT_MASK = tl.constexpr(0xFFFFFFFF)
+# Lanes of a step of the planning program's rare listing of more ring segments (victims_program).
+EXTEND_LANES = tl.constexpr(256)
 # A segment's words in ``seg``: candidates before it, where its list starts in cand, clean candidates
 # before it. The classify stores a segment's lengths one segment on (its next's first words).
 SEG_WORDS = tl.constexpr(3)
@@ -235,10 +237,11 @@ def clean_candidates_reference(st, g: int, slots: list[int], pops: int, scratch=
 
 
 @triton.jit
-def _packed_candidates(s, clean, listed):
-    """Listed candidates as ``cand`` holds them, and how many of them are clean."""
+def _packed_candidates(s, clean, listed, clean_before=0):
+    """Listed candidates as ``cand`` holds them (``clean_before`` clean ones of their segment listed
+    before them), and how many of them are clean."""
     c = (clean & listed).to(tl.int64)
-    before = tl.cumsum(c, axis=0) - c
+    before = clean_before + tl.cumsum(c, axis=0) - c
     return s.to(tl.int64) | (c << CAND_CLEAN_BIT) | (before << CAND_BEFORE_SHIFT), tl.sum(c, axis=0)
 
 
@@ -472,22 +475,37 @@ def victims_program(
             clean_run += tl.sum(tl.where(pair == 1, lengths, 0), axis=0)
         if POLICY == K.EXACT_LRU:
             # Rarely (stale or protected pairs crowd the ring's head) the lists fall short: list more
-            # segments here, one after another.
+            # segments here, one after another, EXTEND_LANES positions a step: a segment's CHUNK
+            # lanes at once took this rare path to the register ceiling, and with it every program
+            # of the launch (exact LRU's classify: 254 -> 122 registers a thread at 8 warps).
             while (run < want) & (head + segments * CHUNK < round_tail):
-                off = segments * CHUNK + tl.arange(0, CHUNK)
-                eligible, s = _ring_candidates(
-                    head, off, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
-                )
-                clean = eligible & (tl.zeros_like(s) != 0)
-                if not CACHE:
-                    top = control_word(gctl, K.G_CPU_BOT) + control_word(gctl, K.G_CPU_FREE) - 1
-                    clean = _clean_candidates(
-                        s, eligible, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, copy_depth_ptr, top, C, want
+                n = tl.zeros((), dtype=tl.int64)
+                n_clean = tl.zeros((), dtype=tl.int64)
+                for sub in range(0, CHUNK, EXTEND_LANES):
+                    off = segments * CHUNK + sub + tl.arange(0, EXTEND_LANES)
+                    eligible, s = _ring_candidates(
+                        head, off, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
                     )
-                packed, n_clean = _packed_candidates(s, clean, eligible)
-                rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
-                tl.store(cand_ptr + segments * CHUNK + rank, packed, mask=eligible)
-                run += tl.sum(eligible.to(tl.int64), axis=0)
+                    clean = eligible & (tl.zeros_like(s) != 0)
+                    if not CACHE:
+                        top = control_word(gctl, K.G_CPU_BOT) + control_word(gctl, K.G_CPU_FREE) - 1
+                        clean = _clean_candidates(
+                            s,
+                            eligible,
+                            copy_row_ptr,
+                            copy_slot_ptr,
+                            cpu_pos_ptr,
+                            copy_depth_ptr,
+                            top,
+                            C,
+                            want,
+                        )
+                    packed, step_clean = _packed_candidates(s, clean, eligible, n_clean)
+                    rank = n + tl.cumsum(eligible.to(tl.int64), axis=0) - 1
+                    tl.store(cand_ptr + segments * CHUNK + rank, packed, mask=eligible)
+                    n += tl.sum(eligible.to(tl.int64), axis=0)
+                    n_clean += step_clean
+                run += n
                 clean_run += n_clean
                 store_segment(seg_ptr, segments, segments * CHUNK, run, clean_run, True)
                 segments += 1
@@ -550,7 +568,12 @@ def victims_program(
         ring_blocks = tl.zeros((), dtype=tl.int64)
         ring_base = tl.zeros((), dtype=tl.int64)
         if POLICY == K.EXACT_LRU:
-            if ring_compaction_due(head0, tail, T, G, Qcap):
+            # The classify programs scanned the blocks when the call's elements could overflow the
+            # ring; it compacts only when the pairs it does append would (a call of padding never).
+            appends = H + tl.minimum(V, M)
+            if ring_compaction_due(head0, tail, T, G, Qcap) & ring_compaction_due(
+                head0, tail, appends, G, Qcap
+            ):
                 ring_blocks = (tail - head0 + CHUNK - 1) // CHUNK
                 # Running totals of the blocks' live pairs, one past the last block included.
                 live = tl.zeros((), dtype=tl.int64)
@@ -562,12 +585,18 @@ def victims_program(
                     )
                     live += tl.sum(n, axis=0)
                 tl.debug_barrier()  # the running totals stored above, before two lanes' loads below
-                dropped = _live_before(
-                    head, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
-                )
-                in_round = _live_before(
-                    round_tail, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
-                )
+                # (Each a block read, skipped where it is known: no victim moved the head, or a
+                # prepare's new round began at the tail.)
+                dropped = tl.zeros((), dtype=tl.int64)
+                if head > head0:
+                    dropped = _live_before(
+                        head, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
+                    )
+                in_round = live
+                if round_tail < tail:
+                    in_round = _live_before(
+                        round_tail, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
+                    )
                 ring_base = head - dropped
                 round_reads = tail - head0  # the policy's upkeep: ring pairs the blocks scanned
                 tail = head + live - dropped
@@ -744,7 +773,12 @@ def victims_reference(
             bitmaps.store()
         V = len(victims)
         ring_blocks = ring_base = 0
-        if bitmaps is None and ring_compaction_due_reference(head0, tail, T, st.gpu_slots, Qcap):
+        appends = H + min(V, M)
+        if (
+            bitmaps is None
+            and ring_compaction_due_reference(head0, tail, T, st.gpu_slots, Qcap)
+            and ring_compaction_due_reference(head0, tail, appends, st.gpu_slots, Qcap)
+        ):
             # The live pairs past the new head, compacted from it (apply copies them into place).
             ring_blocks = -(-(tail - head0) // C)
             live = 0
