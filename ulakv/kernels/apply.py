@@ -51,12 +51,16 @@ from .victims import (
     victim_slots,
 )
 
-# Rows moved per tile. On a GPU 16 rows x 256 int32 words (16 KiB) keep two tiles in registers; the
-# interpreter pays per operation, not per element, so it takes 4x larger tiles. The launcher reads
+# Rows moved per tile, and warps a program. On a GPU a tile of 8 rows x 64 vectors of 16 B (8 KiB)
+# is 8 words a thread at 8 warps: with the tile's miss and element words, 100-116 registers (sm_90
+# cubins, ``compile_check``), 16 resident warps an SM; 16-row tiles, with tile 0 serving the whole
+# chunk's elements, took 125-186 (8 resident). The
+# interpreter pays per operation, not per element, so it takes 8x larger tiles. The launcher reads
 # ``ROWS`` at each launch: tests set it to ``GPU_ROWS`` so CI also runs the GPU's tiling.
-GPU_ROWS = 16
+GPU_ROWS = 8
 INTERPRETER_ROWS = 64
 ROWS = INTERPRETER_ROWS if INTERPRETED else GPU_ROWS
+APPLY_WARPS = 8
 
 ALL_PHASES = (int(K.PH_OUT), int(K.PH_COMMIT))
 
@@ -155,6 +159,7 @@ def apply_kernel(
     counts_ptr,
     miss_pos_ptr,
     miss_rank_ptr,
+    hit_rank_ptr,
     cpu_rank_ptr,
     first_pos_ptr,
     ctl_ptr,
@@ -214,10 +219,11 @@ def apply_kernel(
     UNIT_BYTES: tl.constexpr,
     CACHE: tl.constexpr,
 ):
-    # Program (c, t) moves misses t * ROWS .. t * ROWS + ROWS of chunk c and writes that tile of the
-    # chunk's elements (a write's rows); tile 0 also outputs the chunk's slots and appends its recency.
-    # A chunk's misses are thus spread over CHUNK / ROWS programs: the busiest program's work does not
-    # grow with the misses (one program a chunk moved up to 1,024 rows, 64 tiles in a row, before).
+    # Program (c, t) moves misses t * ROWS .. t * ROWS + ROWS of chunk c and serves that tile of the
+    # chunk's elements: a write's rows, a prepare's slots, the LRU appends. A chunk's work is thus
+    # spread over CHUNK / ROWS programs: the busiest program's work does not grow with the misses or
+    # the chunk (one program a chunk moved up to 1,024 rows before; tile 0 then output the whole
+    # chunk's slots and appends, 1,024 lanes whose registers held every program at 8 resident warps).
     pid = tl.program_id(0)
     tile = tl.program_id(1)
     base = pid.to(tl.int64) * CHUNK
@@ -239,10 +245,9 @@ def apply_kernel(
     # call's ring into place at commit (``ring_block_copy``), and nothing else.
     chunk_program = pid < (T + CHUNK - 1) // CHUNK
     n_miss = tl.load(counts_ptr + pid * K.COUNT_WORDS + K.C_NEED, mask=chunk_program, other=0)
-    busy = (tile == 0) | (r0 < n_miss)
-    if WRITE:
-        busy = busy | (base + r0 < T)  # _write_homed stores the tile's elements' rows
-    busy = busy & chunk_program
+    pos = base + r0 + tl.arange(0, ROWS)  # the tile's elements (misses are at most the elements)
+    inb = pos < T
+    busy = chunk_program & (base + r0 < T)
     status = control_word(ctl, K.E_LAST_STATUS)
     run_out = (first_phase <= K.PH_OUT) & (last_phase >= K.PH_OUT)
     run_evict = (first_phase <= K.PH_EVICT) & (last_phase >= K.PH_EVICT)
@@ -250,9 +255,8 @@ def apply_kernel(
     run_commit = (first_phase <= K.PH_COMMIT) & (last_phase >= K.PH_COMMIT)
     if status != 0:
         if not WRITE:
-            if run_evict & (tile == 0):
-                pos = base + tl.arange(0, CHUNK)
-                tl.store(slots_ptr + pos, tl.full((CHUNK,), -1, tl.int32), mask=pos < T)
+            if run_evict:
+                tl.store(slots_ptr + pos, tl.full((ROWS,), -1, tl.int32), mask=inb)
     elif busy:
         off = chunk_off_ptr + pid * K.OFF_WORDS
         m_off = tl.load(off + K.O_MISS)
@@ -342,29 +346,27 @@ def apply_kernel(
                     word = tl.where(pair == 0, K.S_BYTES_OUT, K.S_CLEAN)
                     tl.atomic_add(stats_ptr + word, added, mask=added > 0, sem="relaxed")
                 tl.store(owner_ptr + v, tl.full((ROWS,), -1, tl.int32), mask=evict)
-            if not WRITE:
-                if tile == 0:
-                    pos = base + tl.arange(0, CHUNK)
-                    inb = pos < T
-                    slot = _slot_of(
-                        pos,
-                        inb,
-                        CHUNK,
-                        flags_ptr,
-                        home_ptr,
-                        first_pos_ptr,
-                        chunk_off_ptr,
-                        miss_rank_ptr,
-                        victims_ptr,
-                        cand_ptr,
-                        seg_ptr,
-                        segments,
-                        k_free,
-                        V,
-                    )
+            if (not WRITE) or (POLICY == K.EXACT_LRU):
+                slot = _slot_of(
+                    pos,
+                    inb,
+                    CHUNK,
+                    flags_ptr,
+                    home_ptr,
+                    first_pos_ptr,
+                    chunk_off_ptr,
+                    miss_rank_ptr,
+                    victims_ptr,
+                    cand_ptr,
+                    seg_ptr,
+                    segments,
+                    k_free,
+                    V,
+                )
+                if not WRITE:
                     tl.store(slots_ptr + pos, slot, mask=inb)
-                    if POLICY == K.EXACT_LRU:
-                        tl.store(slot_of_ptr + pos, slot, mask=inb)  # for commit's recency
+                if POLICY == K.EXACT_LRU:
+                    tl.store(slot_of_ptr + pos, slot, mask=inb)  # for commit's recency
         tl.debug_barrier()
 
         # -- in: misses' rows, layers [in_lo, in_hi), into their GPU slots --------------------------
@@ -439,54 +441,43 @@ def apply_kernel(
                 if POLICY == K.PBLRU:
                     # A slot taken from a bucket leaves it (the round's end is processed: ref is
                     # rnd + 1), and every slot that receives an entry joins the current round.
+                    # (the plan took the round's bucket: a 64-bit remainder is a called routine,
+                    # whose calling convention spilled live registers here)
                     rnd = tl.load(gctl_ptr + K.G_ROUND)
+                    rnd_bucket = control_word(ctl, K.E_ROUND_BUCKET)
                     taken = has_slot & popping
                     stamp = tl.load(stamp_ptr + v, mask=taken, other=0)
                     bucket = tl.where(rnd + 1 - stamp < R, stamp % R, R).to(tl.int64)
                     buckets.clear_path(bits_ptr, bucket * BW, lvl_ptr, n_levels, v, taken)
-                    buckets.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, rnd, v, has_slot)
+                    buckets.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, rnd, rnd_bucket, v, has_slot)
             if POLICY == K.EXACT_LRU:  # PB-LRU recorded recency in lookup and above
-                if tile == 0:
-                    pos = base + tl.arange(0, CHUNK)
-                    inb = pos < T
-                    if WRITE:
-                        slot = _slot_of(
-                            pos,
-                            inb,
-                            CHUNK,
-                            flags_ptr,
-                            home_ptr,
-                            first_pos_ptr,
-                            chunk_off_ptr,
-                            miss_rank_ptr,
-                            victims_ptr,
-                            cand_ptr,
-                            seg_ptr,
-                            segments,
-                            k_free,
-                            V,
-                        )
-                    else:  # a prepare's evict phase found them (this program, this or an earlier launch)
-                        slot = tl.load(slot_of_ptr + pos, mask=inb, other=-1)
-                    flags = tl.load(flags_ptr + pos, mask=inb, other=0)
-                    appended = ((flags & K.F_FIRST) != 0) & (slot >= 0)
-                    q_off = tl.load(off + K.O_QUEUE)
-                    # (a call appends at most G <= Qcap / 2 pairs: the position wraps once at most)
-                    q_pos = K.wrap(q_off % Qcap + tl.cumsum(appended.to(tl.int64), axis=0) - 1, Qcap)
-                    version = tl.load(ver_ptr + slot, mask=appended, other=0) + 1
-                    tl.store(ver_ptr + slot, version, mask=appended)
-                    tl.store(q_slot_ptr + q_pos, slot, mask=appended)
-                    tl.store(q_ver_ptr + q_pos, version, mask=appended)
+                # The evict phase found them (this program, in this or an earlier launch).
+                slot = tl.load(slot_of_ptr + pos, mask=inb, other=-1)
+                flags = tl.load(flags_ptr + pos, mask=inb, other=0)
+                appended = ((flags & K.F_FIRST) != 0) & (slot >= 0)
+                # The chunk appends its first occurrences that end on the GPU, in order: its hits,
+                # and its misses up to the last that took a slot (misses m_off + r with r < V - m_off).
+                # An element's place among them: the hits before it, and the misses before it that
+                # took a slot.
+                with_slot = tl.maximum(V - m_off, 0)
+                ahead = tl.load(hit_rank_ptr + pos, mask=appended, other=0)
+                ahead += tl.minimum(tl.load(miss_rank_ptr + pos, mask=appended, other=0), with_slot)
+                # (the chunk's first ring index; a call appends at most G <= Qcap / 2 pairs)
+                q_pos = K.wrap(tl.load(off + K.O_QUEUE) + ahead, Qcap)
+                version = tl.load(ver_ptr + slot, mask=appended, other=0) + 1
+                tl.store(ver_ptr + slot, version, mask=appended)
+                tl.store(q_slot_ptr + q_pos, slot, mask=appended)
+                tl.store(q_ver_ptr + q_pos, version, mask=appended)
     if POLICY == K.EXACT_LRU:
         if (status == 0) & run_commit & ~chunk_program:
             # Ring block b of a compacting call: its live pairs land before any append (the plan
             # put the new tail after them), and no other program reads or writes those positions.
             b = (pid - (T + CHUNK - 1) // CHUNK) * tl.num_programs(1) + tile
             if b < control_word(ctl, K.E_RING_BLOCKS):
-                new_head = tl.load(gctl_ptr + K.G_HEAD)
-                ring_base = control_word(ctl, K.E_RING_BASE)
+                ring_at = control_word(ctl, K.E_RING_AT)
+                dropped = control_word(ctl, K.E_RING_DROPPED)
                 ring_block_copy(
-                    b, ring_base, new_head, ring_ptr, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, CHUNK
+                    b, ring_at, dropped, ring_ptr, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, CHUNK
                 )
 
 
@@ -645,6 +636,7 @@ def apply(
         UNIT=unit,
         UNIT_BYTES=unit * gpu.element_size(),
         CACHE=st.CACHE,
+        num_warps=APPLY_WARPS,
     )
     return 1
 
@@ -756,11 +748,11 @@ def apply_reference(
                         hole = int(st.cpu_pos[g, copy])
                         st.cpu_free[g, hole] = popped
                         st.cpu_pos[g, popped] = hole
-            if not write:
-                for pos in chunk:
+            for pos in chunk:
+                if not write:
                     slots[pos] = slot_of(pos)
-                    if st.policy == K.EXACT_LRU:
-                        scratch.slot_of[pos] = slots[pos]
+                if st.policy == K.EXACT_LRU:
+                    scratch.slot_of[pos] = slot_of(pos)
         if runs(K.PH_IN):
             for j, p, _, src, v, _, popped in misses(c):
                 for layer in range(in_layers.start - layers.start, in_layers.stop - layers.start):
@@ -825,12 +817,12 @@ def apply_reference(
                         q += 1
     if runs(K.PH_COMMIT) and st.policy == K.EXACT_LRU:
         # A compacting call's live ring pairs, packed block by block by the classify, into place.
-        base, new_head = int(st.ctl[int(K.E_RING_BASE)]), int(st.gctl[g, int(K.G_HEAD)])
+        at, dropped = int(st.ctl[int(K.E_RING_AT)]), int(st.ctl[int(K.E_RING_DROPPED)])
         for b in range(int(st.ctl[int(K.E_RING_BLOCKS)])):
             n, before = (int(x) for x in scratch.ring_blocks[b])
             for j in range(n):
-                if base + before + j >= new_head:
+                if before + j >= dropped:
                     packed = int(scratch.ring[b * C + j])
                     version = packed & 0xFFFFFFFF
-                    st.q_slot[g, (base + before + j) % Qcap] = packed >> 32
-                    st.q_ver[g, (base + before + j) % Qcap] = version - (version >> 31 << 32)
+                    st.q_slot[g, (at + before + j) % Qcap] = packed >> 32
+                    st.q_ver[g, (at + before + j) % Qcap] = version - (version >> 31 << 32)

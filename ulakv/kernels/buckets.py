@@ -91,9 +91,10 @@ def touch(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, cur, ref, slot, mask):
 
 
 @triton.jit
-def place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, cur, slot, mask):
-    """A slot that just got a new entry (its old bits, if any, are already cleared)."""
-    set_path(bits_ptr, (cur % R).to(tl.int64) * BW, lvl_ptr, n_levels, 0, slot, mask)
+def place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, cur, cur_bucket, slot, mask):
+    """A slot that just got a new entry (its old bits, if any, are already cleared), into round
+    ``cur``'s bucket ``cur_bucket`` (``cur % R``, taken once by the caller)."""
+    set_path(bits_ptr, cur_bucket.to(tl.int64) * BW, lvl_ptr, n_levels, 0, slot, mask)
     tl.store(stamp_ptr + slot, cur.to(tl.int32), mask=mask)
 
 

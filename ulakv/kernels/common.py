@@ -33,9 +33,11 @@ E_SEGMENTS = tl.constexpr(11)  # segments of the call's candidate list (victims 
 E_FILL = tl.constexpr(12)  # 1: clean victims pop no CPU row; their copies' places take their misses' rows
 E_POPS = tl.constexpr(13)  # CPU rows this call pops off the top of the free list
 E_RING_BLOCKS = tl.constexpr(14)  # exact LRU: ring blocks this call compacts (0: none; see victims)
-E_RING_BASE = tl.constexpr(15)  # ... where block 0's first live pair would land (before the new head)
-CTL_WORDS = 16
-CTL_BLOCK = tl.constexpr(16)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
+E_RING_AT = tl.constexpr(15)  # ... the ring index where block 0's first live pair would land
+E_RING_DROPPED = tl.constexpr(16)  # ... live pairs before the new head (victims, hits appended again)
+E_ROUND_BUCKET = tl.constexpr(17)  # PB-LRU: the bucket of the group's current round (round % R)
+CTL_WORDS = 18
+CTL_BLOCK = tl.constexpr(32)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.
 G_ROUND = tl.constexpr(0)  # rounds started by prepare

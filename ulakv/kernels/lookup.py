@@ -149,6 +149,7 @@ def classify_kernel(
     counts_ptr,
     miss_pos_ptr,
     miss_rank_ptr,
+    hit_rank_ptr,
     cpu_rank_ptr,
     first_pos_ptr,
     gctl_ptr,
@@ -231,7 +232,10 @@ def classify_kernel(
     tl.store(flags_ptr + pos, flags, mask=inb)
     rank = tl.cumsum(need.to(tl.int32), axis=0) - 1
     tl.store(miss_pos_ptr + pid.to(tl.int64) * CHUNK + rank, pos.to(tl.int32), mask=need)
-    tl.store(miss_rank_ptr + pos, rank, mask=need)
+    # Every first occurrence's misses and hits before it in the chunk: apply places a miss by the
+    # first and each tile's LRU appends by both, without a running count over the chunk.
+    tl.store(miss_rank_ptr + pos, rank + 1 - need.to(tl.int32), mask=first)
+    tl.store(hit_rank_ptr + pos, tl.cumsum(hit.to(tl.int32), axis=0) - hit.to(tl.int32), mask=first)
     from_cpu = need & on_cpu  # frees its CPU row at commit: its rank places the push
     tl.store(cpu_rank_ptr + pos, tl.cumsum(from_cpu.to(tl.int32), axis=0) - 1, mask=from_cpu)
     chunks = (T + CHUNK - 1) // CHUNK  # the launch may have more programs than chunks (below)
@@ -500,9 +504,11 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
             if ok:
                 scratch.first_pos[pos] = first_pos[a]
             scratch.flags[pos] = flags
+            if first:
+                scratch.miss_rank[pos] = counts[int(K.C_NEED)]
+                scratch.hit_rank[pos] = counts[int(K.C_HITS)]
             if need:
                 scratch.miss_pos[chunk * C + counts[int(K.C_NEED)]] = pos
-                scratch.miss_rank[pos] = counts[int(K.C_NEED)]
             if need and on_cpu:
                 scratch.cpu_rank[pos] = counts[int(K.C_NEED_CPU)]
             counts[int(K.C_HITS)] += first and on_gpu

@@ -118,20 +118,19 @@ def _live_before(x, head, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ve
 
 @triton.jit
 def ring_block_copy(
-    b, ring_base, new_head, ring_ptr, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, CHUNK: tl.constexpr
+    b, ring_at, dropped, ring_ptr, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, CHUNK: tl.constexpr
 ):
-    """Ring block ``b``'s live pairs (packed by ``ring_block_scan``) to ring positions
-    ``ring_base + (live pairs before them) ..``, those before ``new_head`` (taken as victims, or hits
-    that this call appends again) dropped."""
+    """Ring block ``b``'s live pairs (packed by ``ring_block_scan``) to ring indices ``ring_at +
+    (live pairs before them) ..``, the first ``dropped`` live pairs of the ring (before the new head:
+    taken as victims, or hits that this call appends again) left out."""
     w = tl.arange(0, 2)
     words = tl.load(ring_blocks_ptr + 2 * b + w)
     n = tl.sum(tl.where(w == 0, words, 0), axis=0)
     before = tl.sum(tl.where(w == 1, words, 0), axis=0)
     j = tl.arange(0, CHUNK)
     packed = tl.load(ring_ptr + b.to(tl.int64) * CHUNK + j, mask=j < n, other=0)
-    keep = (j < n) & (ring_base + before + j >= new_head)
-    # One remainder a program: before + j < Qcap (live pairs never outnumber the ring).
-    at = K.wrap(ring_base % Qcap + before + j, Qcap)
+    keep = (j < n) & (before + j >= dropped)
+    at = K.wrap(ring_at + before + j, Qcap)  # before + j < Qcap: live pairs never outnumber the ring
     tl.store(q_slot_ptr + at, (packed >> 32).to(tl.int32), mask=keep)
     tl.store(q_ver_ptr + at, (packed & 0xFFFFFFFF).to(tl.int32), mask=keep)
 
@@ -566,7 +565,8 @@ def victims_program(
         # -- make room for this call's appends: the live pairs past the new head, compacted -------
         # (the classify programs packed each block's; apply's ring programs copy them into place)
         ring_blocks = tl.zeros((), dtype=tl.int64)
-        ring_base = tl.zeros((), dtype=tl.int64)
+        ring_at = tl.zeros((), dtype=tl.int64)
+        dropped = tl.zeros((), dtype=tl.int64)
         if POLICY == K.EXACT_LRU:
             # The classify programs scanned the blocks when the call's elements could overflow the
             # ring; it compacts only when the pairs it does append would (a call of padding never).
@@ -587,7 +587,6 @@ def victims_program(
                 tl.debug_barrier()  # the running totals stored above, before two lanes' loads below
                 # (Each a block read, skipped where it is known: no victim moved the head, or a
                 # prepare's new round began at the tail.)
-                dropped = tl.zeros((), dtype=tl.int64)
                 if head > head0:
                     dropped = _live_before(
                         head, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
@@ -597,7 +596,8 @@ def victims_program(
                     in_round = _live_before(
                         round_tail, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
                     )
-                ring_base = head - dropped
+                # (a ring index once here, so that apply's ring programs take no remainder)
+                ring_at = (head - dropped) % Qcap
                 round_reads = tail - head0  # the policy's upkeep: ring pairs the blocks scanned
                 tail = head + live - dropped
                 round_tail = head + in_round - dropped
@@ -605,6 +605,9 @@ def victims_program(
         # -- per-chunk offsets: victim list, queue appends, CPU rows freed ---------------------------
         m_run = tl.zeros((), dtype=tl.int64)
         q_run = tail
+        # Queue offsets as ring indices, so that apply takes no remainder: one here, and the call's
+        # appends (at most G <= Qcap / 2) wrap once at most.
+        tail_at = tail % Qcap
         push_run = tl.zeros((), dtype=tl.int64)
         for c0 in range(0, P, BLOCK):
             c = c0 + ar
@@ -616,7 +619,9 @@ def victims_program(
             m_off = m_run + tl.cumsum(need, axis=0) - need
             with_victim = tl.minimum(tl.maximum(V - m_off, 0), need)
             appended = hits + with_victim
-            q_off = q_run + tl.cumsum(appended, axis=0) - appended
+            q_off = m_off * 0  # PB-LRU keeps no ring
+            if POLICY == K.EXACT_LRU:
+                q_off = K.wrap(tail_at + (q_run - tail) + tl.cumsum(appended, axis=0) - appended, Qcap)
             push_off = push_run + tl.cumsum(need_cpu, axis=0) - need_cpu
             # One store of the three offsets a chunk (its O_MISS, O_QUEUE, O_PUSH words).
             w = tl.arange(0, 4)[None, :]
@@ -651,10 +656,16 @@ def victims_program(
         plan = tl.where(cw == K.E_KFREE, k_free, tl.where(cw == K.E_VICTIMS, V, bottom))
         plan = tl.where(cw == K.E_SEGMENTS, segments, tl.where(cw == K.E_FILL, fill, plan))
         plan = tl.where(cw == K.E_POPS, pops, plan)
-        plan = tl.where(cw == K.E_RING_BLOCKS, ring_blocks, tl.where(cw == K.E_RING_BASE, ring_base, plan))
+        plan = tl.where(cw == K.E_RING_BLOCKS, ring_blocks, tl.where(cw == K.E_RING_AT, ring_at, plan))
+        plan = tl.where(cw == K.E_RING_DROPPED, dropped, plan)
+        round_bucket = tl.zeros((), dtype=tl.int64)
+        if POLICY == K.PBLRU:
+            round_bucket = rnd % R
+        plan = tl.where(cw == K.E_ROUND_BUCKET, round_bucket, plan)
         planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE)
         planned = planned | (cw == K.E_SEGMENTS) | (cw == K.E_FILL) | (cw == K.E_POPS)
-        planned = planned | (cw == K.E_RING_BLOCKS) | (cw == K.E_RING_BASE)
+        planned = planned | (cw == K.E_RING_BLOCKS) | (cw == K.E_RING_AT) | (cw == K.E_RING_DROPPED)
+        planned = planned | (cw == K.E_ROUND_BUCKET)
         tl.store(ctl_ptr + cw, plan, mask=planned)
 
         # Counters, in one load and one store of the words that change. Evictions' bytes out are
@@ -772,7 +783,7 @@ def victims_reference(
                 round_reads = bitmaps.retire(rnd)
             bitmaps.store()
         V = len(victims)
-        ring_blocks = ring_base = 0
+        ring_blocks = ring_at = dropped = 0
         appends = H + min(V, M)
         if (
             bitmaps is None
@@ -787,7 +798,7 @@ def victims_reference(
                 live += int(scratch.ring_blocks[b, 0]) if b < ring_blocks else 0
             dropped = len(ring_live_reference(st, g, head0, head))
             in_round = len(ring_live_reference(st, g, head0, round_tail))
-            ring_base = head - dropped
+            ring_at = (head - dropped) % Qcap
             round_reads = tail - head0
             tail = head + live - dropped
             round_tail = head + in_round - dropped
@@ -796,7 +807,7 @@ def victims_reference(
         j, q_run, push_run = 0, tail, 0
         for c in range(P):
             need, hits = counts[c][int(K.C_NEED)], counts[c][int(K.C_HITS)]
-            scratch.chunk_off[c] = torch.tensor([j, q_run, push_run])
+            scratch.chunk_off[c] = torch.tensor([j, q_run % st.q_slot.shape[1], push_run])
             q_run += hits + max(0, min(V - j, need))
             push_run += counts[c][int(K.C_NEED_CPU)]
             j += need
@@ -821,7 +832,9 @@ def victims_reference(
         ctl[int(K.E_VICTIMS)] = V
         ctl[int(K.E_SEGMENTS)] = segments
         ctl[int(K.E_RING_BLOCKS)] = ring_blocks
-        ctl[int(K.E_RING_BASE)] = ring_base
+        ctl[int(K.E_RING_AT)] = ring_at
+        ctl[int(K.E_RING_DROPPED)] = dropped
+        ctl[int(K.E_ROUND_BUCKET)] = int(gctl[int(K.G_ROUND)]) % bitmaps.R if bitmaps is not None else 0
         # The lists, read as the kernels read them, give the policy's victims in its order.
         listed = victim_slots(scratch, ctl.tolist(), torch.arange(k_free, V)).tolist()
         assert listed == victims[k_free:], (

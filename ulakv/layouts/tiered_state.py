@@ -272,7 +272,8 @@ class CallScratch(_Tensors):
     home: torch.Tensor  # int32 [cap]: mapping value at lookup
     flags: torch.Tensor  # int8 [cap]: F_* bits
     first_pos: torch.Tensor  # int32 [cap]: position of the address's first occurrence
-    miss_rank: torch.Tensor  # int32 [cap]: rank of a miss within its chunk
+    miss_rank: torch.Tensor  # int32 [cap]: a first occurrence's misses before it in its chunk
+    hit_rank: torch.Tensor  # int32 [cap]: a first occurrence's hits before it in its chunk
     cpu_rank: torch.Tensor  # int32 [cap]: rank of a miss from the CPU among its chunk's such misses
     miss_pos: torch.Tensor  # int32 [chunks * CHUNK]: each chunk's misses, in order
     counts: torch.Tensor  # int32 [chunks, COUNT_WORDS]
@@ -282,7 +283,7 @@ class CallScratch(_Tensors):
     cand: torch.Tensor  # int64 [lists * CHUNK]: eviction candidates (slot, clean, clean before it)
     seg: torch.Tensor  # int64 [3 * segments + 3]: each segment's first rank, place in cand, clean before
     copy_depth: torch.Tensor  # int32 [G]: a listed candidate's copy's depth in the CPU free list
-    slot_of: torch.Tensor  # int32 [cap]: a prepare's slot of each element, as its evict phase wrote it
+    slot_of: torch.Tensor  # int32 [cap]: each element's GPU slot (exact LRU), as apply's evict phase found it
     ring: torch.Tensor  # int64 [ring pairs]: a compacting call's live LRU ring pairs, block by block
     ring_blocks: torch.Tensor  # int64 [lists + 1, 2]: each ring block's live pairs, and those before it
 
@@ -308,6 +309,7 @@ class CallScratch(_Tensors):
             flags=torch.empty(capacity, dtype=torch.int8, device=device),
             first_pos=torch.empty(capacity, **i32),
             miss_rank=torch.empty(capacity, **i32),
+            hit_rank=torch.empty(capacity, **i32),
             cpu_rank=torch.empty(capacity, **i32),
             miss_pos=torch.empty(chunks * K.CHUNK, **i32),
             counts=torch.empty((chunks, K.COUNT_WORDS), **i32),
@@ -334,6 +336,7 @@ class CallScratch(_Tensors):
             "counts_ptr": self.counts,
             "miss_pos_ptr": self.miss_pos,
             "miss_rank_ptr": self.miss_rank,
+            "hit_rank_ptr": self.hit_rank,
             "cpu_rank_ptr": self.cpu_rank,
             "first_pos_ptr": self.first_pos,
             "chunk_off_ptr": self.chunk_off,
