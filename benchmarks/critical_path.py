@@ -9,7 +9,7 @@ synthetic DSA-shaped trace (``ulakv.traces.synthetic``: sinks, a local window, d
 hitters, far picks partly reused, three speculative query positions). The GPU tier holds twice one
 step's working set, the CPU tier the rest. A first prepare fills every GPU slot, two steps of the
 trace follow, and the third is counted: its misses evict. The apply
-kernel is counted with its GPU tiling (``apply.GPU_ROWS``). Runs under the Triton interpreter.
+kernel is counted with its GPU tiling (``apply.GPU_TILING``). Runs under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -82,12 +82,12 @@ def measure(batch: int, policy) -> dict:
     for step in range(WARMUP_STEPS):
         pool.prepare(0, addresses(step))
     before = pool.stats()
-    rows, apply_mod.ROWS = apply_mod.ROWS, apply_mod.GPU_ROWS
+    tiling, apply_mod.TILING = apply_mod.TILING, apply_mod.GPU_TILING
     try:
         with count_memory_ops() as launches:
             pool.prepare(0, addresses(WARMUP_STEPS))
     finally:
-        apply_mod.ROWS = rows
+        apply_mod.TILING = tiling
     after = pool.stats()
     misses = after["misses"] - before["misses"]
     hits = after["hits"] - before["hits"]

@@ -74,7 +74,7 @@ def run(batch: int, gpu_slots: int, context: int, policy, steps: int, seed: int 
     cold = torch.cat([h[: context // 2] for h in history])[:gpu_slots]
     pool.prepare(0, cold.view(1, -1).to(torch.int32))
     per_step = []
-    saved, apply_mod.ROWS = apply_mod.ROWS, apply_mod.GPU_ROWS
+    saved, apply_mod.TILING = apply_mod.TILING, apply_mod.GPU_TILING
     try:
         for step in range(WARMUP + steps):
             new = torch.cat([torch.as_tensor(pool.extend(s, 1), dtype=torch.int64) for s in seqs])
@@ -92,7 +92,7 @@ def run(batch: int, gpu_slots: int, context: int, policy, steps: int, seed: int 
             if step >= WARMUP:
                 per_step.append(critical_path(launches))
     finally:
-        apply_mod.ROWS = saved
+        apply_mod.TILING = saved
     return per_step
 
 

@@ -155,18 +155,18 @@ def test_selection_spanning_chunks_matches_reference() -> None:
 
 
 @pytest.mark.parametrize(
-    "rows", [apply_mod.GPU_ROWS, apply_mod.INTERPRETER_ROWS], ids=["gpu-tile", "interp-tile"]
+    "tiling", [apply_mod.GPU_TILING, apply_mod.INTERPRETER_TILING], ids=["gpu-tile", "interp-tile"]
 )
 @pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(3)], ids=["lru", "pblru3"])
-def test_tiles_of_either_size_match_reference(rows: int, policy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiles_of_either_size_match_reference(tiling, policy, monkeypatch: pytest.MonkeyPatch) -> None:
     """The apply kernel at the GPU's tile height (8 rows) and the interpreter's (64), over miss
     counts that end mid-tile at both (82 written, 37 brought back past 6 hits): CI runs the GPU's
     tiling too, the only one a GPU runs."""
-    monkeypatch.setattr(apply_mod, "ROWS", rows)
+    monkeypatch.setattr(apply_mod, "TILING", tiling)
     pool = small_pool(
         gpu_slots=45, cpu_slots=60, bytes_per_layer=12, num_layers=2, layers_per_group=2, policy=policy
     )
-    gen = torch.Generator().manual_seed(rows)
+    gen = torch.Generator().manual_seed(tiling.rows)
     seq = pool.admit(82)
     for layer in range(2):  # 45 on the GPU, 37 on the CPU after the first layer's write
         run_stagewise(pool, 0, seq.addresses, random_rows(gen, 82, 12), layer)
@@ -176,6 +176,30 @@ def test_tiles_of_either_size_match_reference(rows: int, policy, monkeypatch: py
     sel = torch.cat([back, seq.addresses[resident][:6], back[:4]]).view(1, -1)  # 37 misses, 6 hits
     run_stagewise(pool, 0, sel.reshape(-1), split=True)
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(3)], ids=["lru", "pblru3"])
+def test_element_tiles_across_chunks_match_reference(policy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the GPU's tiling the chunk's elements are served by 4 programs of 256: a write and
+    prepares of 1,331 elements (a chunk and a part, element tiles cut mid-way), hits, misses and
+    duplicates in every element tile, some misses past the victims that fit (a write's entries
+    that stay on the CPU), give the slots and LRU appends of their references word for word."""
+    monkeypatch.setattr(apply_mod, "TILING", apply_mod.GPU_TILING)
+    pool = small_pool(
+        gpu_slots=300, cpu_slots=900, bytes_per_layer=4, num_layers=1, layers_per_group=1, policy=policy
+    )
+    gen, rng = torch.Generator().manual_seed(17), random.Random(17)
+    seq = pool.admit(1000)
+    run_stagewise(pool, 0, seq.addresses[:700], random_rows(gen, 700, 4), 0)  # 300 on GPU, 400 on CPU
+    for step in range(3):
+        picks = [rng.randrange(1000 if step == 2 else 700) for _ in range(1331)]
+        sel = seq.addresses[picks]
+        if step == 2:  # a write of fresh and homed entries, duplicates refused: distinct picks
+            fresh = torch.tensor(sorted(set(picks)), dtype=torch.long)
+            run_stagewise(pool, 0, seq.addresses[fresh], random_rows(gen, fresh.numel(), 4), 0)
+        else:
+            run_stagewise(pool, 0, sel)
+        pool.check_invariants()
 
 
 def test_lru_ring_compaction_matches_reference() -> None:

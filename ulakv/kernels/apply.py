@@ -33,6 +33,8 @@ changes nothing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import buckets
@@ -51,15 +53,26 @@ from .victims import (
     victim_slots,
 )
 
-# Rows moved per tile, and warps a program. On a GPU a tile of 8 rows x 64 vectors of 16 B (8 KiB)
-# is 8 words a thread at 8 warps: with the tile's miss and element words, 100-116 registers (sm_90
-# cubins, ``compile_check``), 16 resident warps an SM; 16-row tiles, with tile 0 serving the whole
-# chunk's elements, took 125-186 (8 resident). The
-# interpreter pays per operation, not per element, so it takes 8x larger tiles. The launcher reads
-# ``ROWS`` at each launch: tests set it to ``GPU_ROWS`` so CI also runs the GPU's tiling.
-GPU_ROWS = 8
-INTERPRETER_ROWS = 64
-ROWS = INTERPRETER_ROWS if INTERPRETED else GPU_ROWS
+
+class Tiling(NamedTuple):
+    """How apply splits a chunk: ``rows`` misses a program (the rows it moves), and ``elements``
+    elements a program for the element-wise outputs (a prepare's slots, the LRU appends), served by
+    the chunk's first ``CHUNK / elements`` programs."""
+
+    rows: int
+    elements: int
+
+
+# On a GPU at 8 warps a tile of 8 rows x 64 vectors of 16 B (8 KiB) is 8 words a thread, and 256
+# elements one a thread: 108-122 registers (sm_90 cubins, ``compile_check``), 16 resident warps an
+# SM. 16-row tiles, with one program serving the chunk's 1,024 elements, took 125-186 (8 resident);
+# element tiles of 8 (one a row tile) would repeat each operation in 128 programs a chunk where 4
+# do. The interpreter pays per operation, not per element: 8x taller row tiles, one element tile a
+# chunk. The launcher reads ``TILING`` at each launch: tests set it to ``GPU_TILING`` so CI also
+# runs the GPU's tiling.
+GPU_TILING = Tiling(rows=8, elements=256)
+INTERPRETER_TILING = Tiling(rows=64, elements=K.CHUNK)
+TILING = INTERPRETER_TILING if INTERPRETED else GPU_TILING
 APPLY_WARPS = 8
 
 ALL_PHASES = (int(K.PH_OUT), int(K.PH_COMMIT))
@@ -214,16 +227,18 @@ def apply_kernel(
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
+    ELEMS: tl.constexpr,
     VECS: tl.constexpr,
     UNIT: tl.constexpr,
     UNIT_BYTES: tl.constexpr,
     CACHE: tl.constexpr,
 ):
-    # Program (c, t) moves misses t * ROWS .. t * ROWS + ROWS of chunk c and serves that tile of the
-    # chunk's elements: a write's rows, a prepare's slots, the LRU appends. A chunk's work is thus
-    # spread over CHUNK / ROWS programs: the busiest program's work does not grow with the misses or
-    # the chunk (one program a chunk moved up to 1,024 rows before; tile 0 then output the whole
-    # chunk's slots and appends, 1,024 lanes whose registers held every program at 8 resident warps).
+    # Program (c, t) moves misses t * ROWS .. t * ROWS + ROWS of chunk c (in a write, that tile of
+    # the chunk's elements' rows too) and, when t * ELEMS < CHUNK, serves elements t * ELEMS ..
+    # + ELEMS: their slots and LRU appends. A chunk's work is thus spread over its programs: the
+    # busiest program's work does not grow with the misses or the chunk (one program a chunk moved
+    # up to 1,024 rows before; tile 0 then served all 1,024 elements, whose registers held every
+    # program at 8 resident warps).
     pid = tl.program_id(0)
     tile = tl.program_id(1)
     base = pid.to(tl.int64) * CHUNK
@@ -245,9 +260,15 @@ def apply_kernel(
     # call's ring into place at commit (``ring_block_copy``), and nothing else.
     chunk_program = pid < (T + CHUNK - 1) // CHUNK
     n_miss = tl.load(counts_ptr + pid * K.COUNT_WORDS + K.C_NEED, mask=chunk_program, other=0)
-    pos = base + r0 + tl.arange(0, ROWS)  # the tile's elements (misses are at most the elements)
-    inb = pos < T
-    busy = chunk_program & (base + r0 < T)
+    # The elements this program serves, if any: element tile `tile` of the chunk.
+    e0 = tile * ELEMS
+    serves = (e0 < CHUNK) & (base + e0 < T)
+    pos = base + e0 + tl.arange(0, ELEMS)
+    inb = (pos < T) & (e0 + tl.arange(0, ELEMS) < CHUNK)
+    busy = (r0 < n_miss) | serves
+    if WRITE:
+        busy = busy | (base + r0 < T)  # _write_homed stores the tile's elements' rows
+    busy = busy & chunk_program
     status = control_word(ctl, K.E_LAST_STATUS)
     run_out = (first_phase <= K.PH_OUT) & (last_phase >= K.PH_OUT)
     run_evict = (first_phase <= K.PH_EVICT) & (last_phase >= K.PH_EVICT)
@@ -256,7 +277,7 @@ def apply_kernel(
     if status != 0:
         if not WRITE:
             if run_evict:
-                tl.store(slots_ptr + pos, tl.full((ROWS,), -1, tl.int32), mask=inb)
+                tl.store(slots_ptr + pos, tl.full((ELEMS,), -1, tl.int32), mask=inb)
     elif busy:
         off = chunk_off_ptr + pid * K.OFF_WORDS
         m_off = tl.load(off + K.O_MISS)
@@ -346,7 +367,7 @@ def apply_kernel(
                     word = tl.where(pair == 0, K.S_BYTES_OUT, K.S_CLEAN)
                     tl.atomic_add(stats_ptr + word, added, mask=added > 0, sem="relaxed")
                 tl.store(owner_ptr + v, tl.full((ROWS,), -1, tl.int32), mask=evict)
-            if (not WRITE) or (POLICY == K.EXACT_LRU):
+            if serves & ((not WRITE) or (POLICY == K.EXACT_LRU)):
                 slot = _slot_of(
                     pos,
                     inb,
@@ -450,7 +471,7 @@ def apply_kernel(
                     bucket = tl.where(rnd + 1 - stamp < R, stamp % R, R).to(tl.int64)
                     buckets.clear_path(bits_ptr, bucket * BW, lvl_ptr, n_levels, v, taken)
                     buckets.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, rnd, rnd_bucket, v, has_slot)
-            if POLICY == K.EXACT_LRU:  # PB-LRU recorded recency in lookup and above
+            if (POLICY == K.EXACT_LRU) & serves:  # PB-LRU recorded recency in lookup and above
                 # The evict phase found them (this program, in this or an earlier launch).
                 slot = tl.load(slot_of_ptr + pos, mask=inb, other=-1)
                 flags = tl.load(flags_ptr + pos, mask=inb, other=0)
@@ -589,7 +610,8 @@ def apply(
     # variant of its own for a step without misses.
     fetched = (fetched if fetched is not None else scratch.victims).view(gpu.dtype)
     fetch_rows = fetch_rows if fetch_rows is not None else scratch.victims
-    rows_per_tile = ROWS
+    tiling = TILING
+    rows_per_tile = tiling.rows
     # Rows move in the widest vectors the pool's rows allow (16 B for 656-byte rows). A caller's
     # rows or fetched rows that sit off that alignment (a view at an odd offset) are copied once,
     # so that the pool keeps one variant.
@@ -632,6 +654,7 @@ def apply(
         POLICY=st.policy,
         CHUNK=K.CHUNK,
         ROWS=rows_per_tile,
+        ELEMS=tiling.elements,
         VECS=vecs,
         UNIT=unit,
         UNIT_BYTES=unit * gpu.element_size(),

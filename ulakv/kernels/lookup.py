@@ -259,7 +259,8 @@ def classify_kernel(
     top = tl.load(gctl_ptr + K.G_CPU_BOT) + n_cpu - 1  # the CPU free list's top, as a ring index
     if not CACHE:  # a buffer drops its victims: no CPU rows
         cm = inb & (j < n_cpu)
-        tl.store(popped_ptr + j, tl.load(cpu_free_ptr + (top - j) % C, mask=cm, other=0), mask=cm)
+        # (top - j lies in [bottom, top] for the rows copied: one lap of the ring at most)
+        tl.store(popped_ptr + j, tl.load(cpu_free_ptr + K.wrap(top - j, C), mask=cm, other=0), mask=cm)
     # The most CPU rows this call can pop (a row per miss past the free slots): a candidate's copy
     # below them is safe from every pop, so its eviction is clean whatever apply pops.
     n_need = tl.load(ctl_ptr + K.E_NEED)
@@ -311,6 +312,7 @@ def classify_kernel(
         else:
             cur = tl.load(gctl_ptr + K.G_ROUND) + 1
         ranges = (G + CHUNK - 1) // CHUNK
+        cur_bucket = cur % R  # one remainder: the buckets below step from it
         for q in range(pid, ranges, tl.num_programs(0)):
             at = (tl.zeros((), tl.int64) + q) * CHUNK  # the range's first slot, and its list in cand
             slot = at + tl.arange(0, CHUNK)
@@ -323,7 +325,7 @@ def classify_kernel(
             unprotected = valid & (tl.load(mark_ptr + slot, mask=valid, other=0) != epoch)
             listed = tl.zeros((), dtype=tl.int64)
             for i in range(0, R):
-                bucket = tl.where(i == 0, R, (cur + i) % R).to(tl.int64)
+                bucket = tl.where(i == 0, R, K.wrap(cur_bucket + i, R)).to(tl.int64)
                 word = tl.load(bits_ptr + bucket * BW + slot // 32, mask=valid, other=0)
                 eligible = unprotected & (((word >> (slot % 32).to(tl.int32)) & 1) != 0)
                 list_rank = tl.cumsum(eligible.to(tl.int64), axis=0) - 1
@@ -385,11 +387,16 @@ def classify_kernel(
 # The classify launch's shape, read from the sm_90 cubins (``python -m ulakv.kernels.compile_check``):
 # a thread's registers are the most any path of the kernel needs, and the planning program (one
 # program of the launch) needed the most. At 8 warps a CHUNK of 1,024 elements is 4 a thread, and
-# exact LRU's planning program over 256 lanes a step fits too: 106-124 registers, 16 resident warps
-# an SM (4 warps and 1,024 lanes: 240-255 registers, 8 warps). PB-LRU's listing of every bucket keeps
-# its chunks' programs at 152-190 registers whatever the planning program's lanes (256 lanes spill
-# there), so it plans 1,024 lanes a step: 8 resident warps, as before, 64 fewer registers a thread.
-# More steps for exact LRU's planning program over 256 lanes: one per 256 chunks or ring blocks.
+# exact LRU's planning program over 256 lanes a step fits too: 105-124 registers, 16 resident warps
+# an SM (4 warps and 1,024 lanes: 240-255 registers, 8 warps); its planning program takes one more
+# step per 256 chunks or ring blocks. PB-LRU stays at 8 resident warps (176-188 registers): at 16
+# warps and 256 planning lanes it fits in 116-128 with no spill, but its planning program sums
+# every segment (num_buckets x slots / 1,024: 8,192 at 1 M slots) one step a block of lanes, so 256
+# lanes would take 32 dependent steps where 1,024 take 8, on every prepare of every group; at 16
+# warps and 1,024 lanes it spills 48 B. Summing the segments across the grid is what lifts it.
+# Neither policy takes a 64-bit remainder by a runtime value over a block or in a loop (see
+# ``common.wrap``): sm_90 has no such instruction, and the routine ptxas calls spills the caller's
+# live registers around it.
 CLASSIFY_WARPS = 8
 PLAN_LANES = {K.EXACT_LRU: 256, K.PBLRU: K.BLOCK}
 

@@ -212,7 +212,8 @@ def _clean_candidates(s, listed, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, copy_
     copy = tl.load(copy_row_ptr + s, mask=listed, other=-1)
     has = listed & (copy >= 0)
     intact = has & (tl.load(copy_slot_ptr + copy, mask=has, other=-1) == s)
-    depth = ((top - tl.load(cpu_pos_ptr + copy, mask=has, other=0)) % C + C) % C
+    # (top is one below the bottom at the least, a lap past it at the most: -C <= top - pos < 2C)
+    depth = K.wrap(top - tl.load(cpu_pos_ptr + copy, mask=has, other=0), C)
     tl.store(copy_depth_ptr + s, depth.to(tl.int32), mask=has)
     return intact & (depth >= pops)
 
@@ -645,7 +646,7 @@ def victims_program(
         pushes = push_run - n_clean
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
-        bottom = (control_word(gctl, K.G_CPU_BOT) - pushes + C) % C
+        bottom = K.wrap(control_word(gctl, K.G_CPU_BOT) - pushes, C)  # pushes <= C: rows that exist
         n_cpu = control_word(gctl, K.G_CPU_FREE) - pops + pushes
 
         # The group's words G_HEAD .. G_CPU_BOT, and the plan's words apply reads, one store each.
