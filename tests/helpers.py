@@ -271,12 +271,9 @@ def loaded_pool(kind: str) -> Loaded:
 
 
 def assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], where: str = "") -> None:
-    """Bitwise equality of two dicts of tensors (GPU data compared without the dummy slot; the
-    PB-LRU search frontier is scratch the references do not model)."""
+    """Bitwise equality of two dicts of tensors (GPU data compared without the dummy slot)."""
     assert a.keys() == b.keys()
     for key in a:
-        if key == "frontier":
-            continue
         x, y = a[key], b[key]
         if key == "gpu_data":
             x, y = x[:, :-1], y[:, :-1]

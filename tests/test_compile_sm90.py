@@ -25,6 +25,7 @@ KERNELS = [
     "gather_kernel",
     "mark_live_kernel",
     "release_kernel",
+    "round_end_kernel",
 ]
 
 # Resident warps an SM a memory-bound kernel needs at least to hide HBM latency (of 64 on sm_90).

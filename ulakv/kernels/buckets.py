@@ -162,30 +162,6 @@ def take_victims(bits_ptr, base, lvl_ptr, n_levels, limit, buf_ptr, buf_size, ou
     return got, reads
 
 
-@triton.jit
-def retire_bucket(bits_ptr, BW, lvl_ptr, n_levels, R, cur, buf_ptr, buf_size, BLOCK: tl.constexpr):
-    """End of round ``cur``: the bucket of round ``cur - R + 1`` (next round's bucket) becomes cold.
-    Reads its non-empty words only, plus its summary levels. Returns words read."""
-    lane = tl.arange(0, BLOCK)
-    old_base = ((cur + 1) % R).to(tl.int64) * BW
-    cold_base = R.to(tl.int64) * BW
-    leaf_count = tl.load(lvl_ptr + 1)
-    n, words_ptr, reads = leaf_words(
-        bits_ptr, old_base, lvl_ptr, n_levels, leaf_count, buf_ptr, buf_size, BLOCK
-    )
-    for f0 in range(0, n, BLOCK):
-        fm = f0 + lane < n
-        widx = tl.load(words_ptr + f0 + lane, mask=fm, other=0)
-        word = tl.load(bits_ptr + old_base + widx, mask=fm, other=0)
-        old = tl.atomic_or(bits_ptr + cold_base + widx, word, mask=fm, sem="relaxed")
-        set_path(bits_ptr, cold_base, lvl_ptr, n_levels, 1, widx, fm & (old == 0))
-        tl.store(bits_ptr + old_base + widx, tl.zeros((BLOCK,), tl.int32), mask=fm)
-        reads += tl.sum(fm.to(tl.int64), axis=0)
-    for w0 in range(leaf_count, BW, BLOCK):  # summaries: a few words per 1024 slots
-        tl.store(bits_ptr + old_base + w0 + lane, tl.zeros((BLOCK,), tl.int32), mask=w0 + lane < BW)
-    return reads
-
-
 class PBLRUBits:
     """Plain-Python twin of the device bitmaps of one group, for the kernels' references.
 
@@ -268,12 +244,18 @@ class PBLRUBits:
         return got, reads
 
     def retire(self, cur: int) -> int:
-        """End of round ``cur``: next round's bucket joins cold. Returns words read."""
+        """End of round ``cur``: next round's bucket joins cold. Returns words read, as the round
+        end's programs read them (``ulakv.kernels.round_end``): every level-1 summary word, and the
+        leaf words they name (every leaf word when there is no summary level)."""
         bucket = (cur + 1) % self.R
-        leaf_words, reads = self._leaf_words(self._levels(bucket), self.offsets[1])
+        levels = self._levels(bucket)
+        if len(levels) > 1:
+            reads = len(levels[1]) + sum(1 for word in levels[0] if word)
+        else:
+            reads = len(levels[0])
         self.sets[self.R] |= self.sets[bucket]
         self.sets[bucket] = set()
-        return reads + len(leaf_words)
+        return reads
 
     def packed(self) -> torch.Tensor:
         """The group's int32 words as the sets say: leaves, and summaries rebuilt from them."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import buckets
+from . import buckets, round_end
 from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
@@ -113,7 +113,6 @@ def claim_kernel(
         "BW",
         "n_levels",
         "R",
-        "frontier_size",
         "Qcap",
         "C",
         "group_row_bytes",
@@ -159,8 +158,6 @@ def classify_kernel(
     n_levels,
     stamp_ptr,
     R,
-    frontier_ptr,
-    frontier_size,
     stats_ptr,
     ver_ptr,
     q_slot_ptr,
@@ -373,8 +370,6 @@ def classify_kernel(
             lvl_ptr,
             n_levels,
             R,
-            frontier_ptr,
-            frontier_size,
             ring_blocks_ptr,
             WRITE,
             POLICY,
@@ -414,7 +409,8 @@ def classify_programs(st, T: int) -> int:
 def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int) -> int:
     """Launch claim, then classify + plan, over the flat selection ``sel`` for group ``g`` of
     ``st`` (a TieredState). ``group_row_bytes`` and ``layer_row_bytes`` price the moves in the
-    stats. Returns the number of launches (2)."""
+    stats; under PB-LRU a prepare then ends its round (``round_end``). Returns the number of
+    launches (2, or 3 with a round end)."""
     T = sel.numel()
     grid = (triton.cdiv(T, K.CHUNK),)
     mapping, claim, mark, ctl, gpu_slots = st.mapping[g], st.claim, st.mark, st.ctl, st.gpu_slots
@@ -450,15 +446,20 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         CACHE=st.CACHE,
         num_warps=CLASSIFY_WARPS,
     )
+    if st.policy == K.PBLRU and not write:  # a prepare ended its round: the bucket to reuse goes cold
+        return 2 + round_end.end_round(st, g)
     return 2
 
 
 def lookup_and_plan_reference(
     st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int
 ) -> None:
-    """Plain-Python twin of :func:`lookup_and_plan`: the two launches, then the victims program."""
+    """Plain-Python twin of :func:`lookup_and_plan`: the two launches, then the victims program
+    (and PB-LRU's round end after a prepare)."""
     claim_and_classify_reference(st, g, sel, scratch, write)
     victims_reference(st, g, scratch, sel.numel(), write, group_row_bytes, layer_row_bytes)
+    if st.policy == K.PBLRU and not write:
+        round_end.end_round_reference(st, g)
 
 
 def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:

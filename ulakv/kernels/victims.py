@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import torch
 
-from . import buckets
 from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
@@ -396,8 +395,6 @@ def victims_program(
     lvl_ptr,
     n_levels,
     R,
-    frontier_ptr,
-    frontier_size,
     ring_blocks_ptr,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
@@ -555,13 +552,8 @@ def victims_program(
             # PB-LRU's victims stay in their buckets until commit clears them (apply).
             scanned = segments * (CHUNK // 32)  # leaf words the lists were made from
         V = k_free + got
-        if POLICY == K.PBLRU:
-            # (Every slot that receives an entry joins the current round's bucket at commit.)
-            if not WRITE:
-                tl.debug_barrier()
-                round_reads = buckets.retire_bucket(
-                    bits_ptr, BW, lvl_ptr, n_levels, R, rnd, frontier_ptr, frontier_size, BLOCK
-                )
+        # (PB-LRU: every slot that receives an entry joins the current round's bucket at commit;
+        # a prepare's round end runs across the grid in the launch after this one: round_end.)
 
         # -- make room for this call's appends: the live pairs past the new head, compacted -------
         # (the classify programs packed each block's; apply's ring programs copy them into place)
@@ -780,8 +772,6 @@ def victims_reference(
                 bucket = bitmaps.R if i == 0 else (rnd + i) % bitmaps.R
                 victims += sorted(bitmaps.sets[bucket])[: M - len(victims)]
             scanned = segments * (C // 32)
-            if not write:
-                round_reads = bitmaps.retire(rnd)
             bitmaps.store()
         V = len(victims)
         ring_blocks = ring_at = dropped = 0

@@ -71,7 +71,6 @@ class TieredState(_Tensors):
     stamp: torch.Tensor  # int32 [groups, G]: PB-LRU, round a slot was last used
     bits: torch.Tensor  # int32 [groups, (buckets + 1) * bucket_words]: PB-LRU bitmaps + summaries
     levels: torch.Tensor  # int64 [levels + 1]: word offset of each summary level in a bucket
-    frontier: torch.Tensor  # int32 [2, leaf words]: PB-LRU search scratch
     gctl: torch.Tensor  # int64 [groups, GCTL_WORDS]
     ctl: torch.Tensor  # int64 [CTL_WORDS]: call-scoped scratch and the pending error
     stats: torch.Tensor  # int64 [STATS_WORDS]: cumulative counters
@@ -135,7 +134,6 @@ class TieredState(_Tensors):
             stamp=torch.empty((groups, G if not lru else 1), **i32),
             bits=torch.empty((groups, (buckets + 1) * bucket_words), **i32),
             levels=torch.tensor(offsets, **i64),
-            frontier=torch.empty((2, offsets[1]), **i32),
             gpu_free=torch.empty((groups, G), **i32),
             cpu_free=torch.empty((groups, max(C, 1)), **i32),
             cpu_pos=torch.empty((groups, max(C, 1)), **i32),
@@ -216,8 +214,7 @@ class TieredState(_Tensors):
     def group_kwargs(self, g: int) -> dict[str, object]:
         """Group ``g``'s state as both the classify and the apply kernel take it, by their parameter
         names: GPU slots, control words, mapping, group words, LRU versions and ring, the CPU free
-        list and its copies, counters, and PB-LRU's bitmaps, stamps and frontier (stand-ins under
-        exact LRU)."""
+        list and its copies, counters, and PB-LRU's bitmaps and stamps (stand-ins under exact LRU)."""
         return {
             "G": self.gpu_slots,
             "ctl_ptr": self.ctl,
@@ -239,8 +236,6 @@ class TieredState(_Tensors):
             "n_levels": self.levels.numel() - 1,  # summary levels, leaf included
             "stamp_ptr": self.stamp[g],
             "R": self.num_buckets,
-            "frontier_ptr": self.frontier,
-            "frontier_size": self.frontier.shape[1],
         }
 
     @property
