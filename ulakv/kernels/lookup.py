@@ -41,6 +41,7 @@ from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
 from .victims import (
+    PLAN_LANES,
     SEG_WORDS,
     _clean_candidates,
     _packed_candidates,
@@ -384,16 +385,15 @@ def classify_kernel(
 # program of the launch) needed the most. At 8 warps a CHUNK of 1,024 elements is 4 a thread, and
 # exact LRU's planning program over 256 lanes a step fits too: 105-124 registers, 16 resident warps
 # an SM (4 warps and 1,024 lanes: 240-255 registers, 8 warps); its planning program takes one more
-# step per 256 chunks or ring blocks. PB-LRU stays at 8 resident warps (176-188 registers): at 16
-# warps and 256 planning lanes it fits in 116-128 with no spill, but its planning program sums
-# every segment (num_buckets x slots / 1,024: 8,192 at 1 M slots) one step a block of lanes, so 256
-# lanes would take 32 dependent steps where 1,024 take 8, on every prepare of every group; at 16
-# warps and 1,024 lanes it spills 48 B. Summing the segments across the grid is what lifts it.
-# Neither policy takes a 64-bit remainder by a runtime value over a block or in a loop (see
-# ``common.wrap``): sm_90 has no such instruction, and the routine ptxas calls spills the caller's
-# live registers around it.
-CLASSIFY_WARPS = 8
-PLAN_LANES = {K.EXACT_LRU: 256, K.PBLRU: K.BLOCK}
+# step per 256 chunks or ring blocks. PB-LRU's listing of every bucket of a slot range holds more a
+# thread: at 16 warps (2 slots a thread) and 256 planning lanes it takes 116-128 registers, the most
+# a 512-thread program may hold, with no spill: 16 resident warps (8 warps and 1,024 lanes: 164-200,
+# 8; 16 warps and 1,024 lanes spill 32-48 B). Its planning program sums the bucket segments' counts
+# only as far as the victims reach (the cold bucket's first), so 256 lanes a step cost it steps only
+# when the victims lie deep. Neither policy takes a 64-bit remainder by a runtime value over a
+# block or in a loop (see ``common.wrap``): sm_90 has no such instruction, and the routine ptxas
+# calls spills the caller's live registers around it.
+CLASSIFY_WARPS = {K.EXACT_LRU: 8, K.PBLRU: 16}
 
 
 def classify_programs(st, T: int) -> int:
@@ -444,7 +444,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         CHUNK=K.CHUNK,
         BLOCK=PLAN_LANES[st.policy],
         CACHE=st.CACHE,
-        num_warps=CLASSIFY_WARPS,
+        num_warps=CLASSIFY_WARPS[st.policy],
     )
     if st.policy == K.PBLRU and not write:  # a prepare ended its round: the bucket to reuse goes cold
         return 2 + round_end.end_round(st, g)

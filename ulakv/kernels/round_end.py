@@ -16,7 +16,6 @@ boundary orders them. A call whose plan was refused merges nothing.
 
 from __future__ import annotations
 
-from . import buckets
 from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
@@ -24,12 +23,16 @@ from .victims import control_word
 
 # Leaf words a program merges: 32 summary words of level 1, one word of level 2.
 LEAVES = 1024
+# A power of two above the levels a bucket has (leaf included): 7 reach 32**7 slots.
+LEVELS = 8
 
 
 # Not specialised: the ints (bitmap sizes, fixed per pool, feed no vectorisable access) and the
-# group's bitmaps' alignment (a row of [groups, ...] state). LEAVES: constexpr.
+# group's bitmaps' alignment (a row of [groups, ...] state). LEAVES, LEVELS: constexprs.
 @triton.jit(do_not_specialize=["BW", "n_levels", "R"], do_not_specialize_on_alignment=["bits_ptr"])
-def round_end_kernel(ctl_ptr, bits_ptr, BW, lvl_ptr, n_levels, R, stats_ptr, LEAVES: tl.constexpr):
+def round_end_kernel(
+    ctl_ptr, bits_ptr, BW, lvl_ptr, n_levels, R, stats_ptr, LEAVES: tl.constexpr, LEVELS: tl.constexpr
+):
     p = tl.program_id(0)
     cw = tl.arange(0, K.CTL_BLOCK)
     ctl = tl.load(ctl_ptr + cw, mask=cw < K.CTL_WORDS, other=0)
@@ -37,35 +40,59 @@ def round_end_kernel(ctl_ptr, bits_ptr, BW, lvl_ptr, n_levels, R, stats_ptr, LEA
         # The bucket after the round's own: the plan took the round's (round % R).
         old_base = K.wrap(control_word(ctl, K.E_ROUND_BUCKET) + 1, R) * BW
         cold_base = R.to(tl.int64) * BW
-        leaf_count = tl.load(lvl_ptr + 1)
+        # Every level's first word in one load (leaf first; word n_levels is the bucket's size):
+        # each separate load is one more step of the program.
+        lv = tl.arange(0, LEVELS)
+        starts = tl.load(lvl_ptr + lv, mask=lv <= n_levels, other=0)
+        leaf_count = control_word(starts, 1)
         w = p.to(tl.int64) * LEAVES + tl.arange(0, LEAVES)
         wm = w < leaf_count
-        SUMMARY: tl.constexpr = LEAVES // 32
-        s = p.to(tl.int64) * SUMMARY + tl.arange(0, SUMMARY)  # the level-1 words above them
-        sm = s < 0
         if n_levels > 1:
             # Only the words a summary bit names are read (a pool of one leaf word has no summary).
-            sm = s < tl.load(lvl_ptr + 2) - leaf_count
             above = tl.load(bits_ptr + old_base + leaf_count + w // 32, mask=wm, other=0)
             full = wm & (((above >> (w % 32).to(tl.int32)) & 1) != 0)
-            reads = tl.sum(sm.to(tl.int64), axis=0)
         else:
             full = wm
-            reads = tl.zeros((), dtype=tl.int64)
         word = tl.load(bits_ptr + old_base + w, mask=full, other=0)
         prev = tl.atomic_or(bits_ptr + cold_base + w, word, mask=full, sem="relaxed")
-        buckets.set_path(bits_ptr, cold_base, lvl_ptr, n_levels, 1, w, full & (prev == 0) & (word != 0))
+        # A cold word that turns non-empty sets its bit one level up, and so on (``set_path``, with
+        # the levels' starts at hand).
+        idx = w
+        up = full & (prev == 0) & (word != 0)
+        for level in range(1, n_levels):
+            above_idx = idx // 32
+            old = tl.atomic_or(
+                bits_ptr + cold_base + control_word(starts, level) + above_idx,
+                (1 << (idx % 32)).to(tl.int32),
+                mask=up,
+                sem="relaxed",
+            )
+            up = up & (old == 0)
+            idx = above_idx
         tl.store(bits_ptr + old_base + w, tl.zeros((LEAVES,), tl.int32), mask=full)
         tl.debug_barrier()  # every lane's summary load above before other lanes zero those words
+        # The summary words above the program's leaves, in one store: lanes 0 .. 31 the 32 of level
+        # 1, lane 30 + l the one of level l >= 2 (word p >> 5 (l - 2), cleared by the first program
+        # under it). Nothing sets a bit in this bucket while its round is not current.
+        SUMMARY: tl.constexpr = LEAVES // 32
+        z = tl.arange(0, 2 * SUMMARY)
+        level = tl.minimum(tl.maximum(z - (SUMMARY - 2), 1), LEVELS - 1)
+        shift = 5 * tl.maximum(level - 2, 0)
+        first = tl.zeros((2 * SUMMARY,), tl.int64)
+        for lvl in tl.static_range(1, LEVELS):
+            first = tl.where(level == lvl, control_word(starts, lvl), first)
+        level_one = p.to(tl.int64) * SUMMARY + z
+        at = tl.where(z < SUMMARY, first + level_one, first + (p >> shift))
+        clear = tl.where(
+            z < SUMMARY,
+            level_one < control_word(starts, 2) - leaf_count,
+            (z - (SUMMARY - 2) < n_levels) & ((p & ((1 << shift) - 1)) == 0),
+        )
         if n_levels > 1:
-            tl.store(bits_ptr + old_base + leaf_count + s, tl.zeros((SUMMARY,), tl.int32), mask=sm)
-        # Level 2 and up: program p's word of level l is p >> 5 (l - 2); the first program under it
-        # clears it (nothing sets a bit in this bucket while its round is not current).
-        for level in range(2, n_levels):
-            shift = 5 * (level - 2)
-            if (p & ((1 << shift) - 1)) == 0:
-                tl.store(bits_ptr + old_base + tl.load(lvl_ptr + level) + (p >> shift), 0)
-        reads += tl.sum(full.to(tl.int64), axis=0)
+            tl.store(bits_ptr + old_base + at, tl.zeros((2 * SUMMARY,), tl.int32), mask=clear)
+        reads = tl.sum(full.to(tl.int64), axis=0)
+        if n_levels > 1:
+            reads += tl.sum(((z < SUMMARY) & clear).to(tl.int64), axis=0)
         tl.atomic_add(stats_ptr + K.S_ROUND_READS, reads, mask=reads > 0, sem="relaxed")
 
 
@@ -73,6 +100,10 @@ def end_round(st, g: int) -> int:
     """Launch the round end of group ``g`` of ``st`` (a TieredState under PB-LRU) after a
     prepare's plan; returns launches (1)."""
     kw = st.group_kwargs(g)
+    if kw["n_levels"] >= LEVELS:
+        raise ValueError(
+            f"{st.gpu_slots} GPU slots need {kw['n_levels']} bitmap levels; the round end takes {LEVELS - 1}"
+        )
     leaves = triton.cdiv(st.gpu_slots, 32)  # a bucket's leaf words (st.levels[1], kept on the device)
     round_end_kernel[(triton.cdiv(leaves, LEAVES),)](
         ctl_ptr=st.ctl,
@@ -83,6 +114,7 @@ def end_round(st, g: int) -> int:
         R=kw["R"],
         stats_ptr=kw["stats_ptr"],
         LEAVES=LEAVES,
+        LEVELS=LEVELS,
     )
     return 1
 

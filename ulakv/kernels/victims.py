@@ -310,6 +310,8 @@ def _victim_entries(scratch, ctl: list[int], j: torch.Tensor) -> tuple[torch.Ten
     """Host twin of ``victim_slot``'s search for victim indices ``j`` past the free slots (int64,
     CPU): each one's packed candidate word and its segment's clean count before it."""
     k_free, segments = ctl[int(K.E_KFREE)], ctl[int(K.E_SEGMENTS)]
+    if segments == 0:  # no victim past the free slots: the plan listed no segment
+        return torch.zeros_like(j), torch.zeros_like(j)
     sw = int(SEG_WORDS)
     seg = scratch.seg.cpu()
     starts = seg[0 : sw * segments : sw].contiguous()
@@ -362,6 +364,11 @@ def victim_cleans(scratch, ctl: list[int], j: torch.Tensor) -> tuple[torch.Tenso
     clean = taken & (((packed >> int(CAND_CLEAN_BIT)) & 1) != 0)
     before = torch.where(taken, clean_base + (packed >> int(CAND_BEFORE_SHIFT)), 0)
     return clean, before
+
+
+# Lanes of the planning program's steps over chunks, segments and ring blocks, by policy (the
+# classify launch's ``BLOCK``; why these, ``lookup.CLASSIFY_WARPS``).
+PLAN_LANES = {K.EXACT_LRU: 256, K.PBLRU: 256}
 
 
 @triton.jit
@@ -456,12 +463,18 @@ def victims_program(
         else:
             segments = (R * ((G + CHUNK - 1) // CHUNK)).to(tl.int64)  # every bucket, every slot range
         # (Segment s's lengths sit in segment s + 1's words: candidates at 3s + 3, clean at 3s + 5.)
+        # Only as far as the victims reach: the block of segments whose lists hold the last victim
+        # ends the loop, so its steps follow the victims' spread, not the lists' number (PB-LRU:
+        # num_buckets x slots / CHUNK, 8,192 at 1 M slots; the cold bucket's come first). Victims
+        # are found among these segments alone (E_SEGMENTS).
+        listed = segments
         pair = tl.arange(0, 2)
         tl.store(seg_ptr + 2 * pair, tl.zeros((2,), tl.int64))
         run = tl.zeros((), dtype=tl.int64)
         clean_run = tl.zeros((), dtype=tl.int64)
-        for c0 in range(0, segments.to(tl.int32), BLOCK):
-            c = c0 + ar
+        s0 = tl.zeros((), dtype=tl.int64)
+        while (s0 < listed) & (run < want):
+            c = s0 + ar
             at = SEG_WORDS * c[:, None] + SEG_WORDS + 2 * pair[None, :]
             cm = (c < segments)[:, None] & (pair[None, :] < 2)
             count = tl.load(seg_ptr + at, mask=cm, other=0)
@@ -470,6 +483,8 @@ def victims_program(
             lengths = tl.sum(count, axis=0)  # [candidates, clean] of this block of segments
             run += tl.sum(tl.where(pair == 0, lengths, 0), axis=0)
             clean_run += tl.sum(tl.where(pair == 1, lengths, 0), axis=0)
+            s0 += BLOCK
+        segments = tl.minimum(listed, s0)
         if POLICY == K.EXACT_LRU:
             # Rarely (stale or protected pairs crowd the ring's head) the lists fall short: list more
             # segments here, one after another, EXTEND_LANES positions a step: a segment's CHUNK
@@ -550,7 +565,7 @@ def victims_program(
             head = new_head
         else:
             # PB-LRU's victims stay in their buckets until commit clears them (apply).
-            scanned = segments * (CHUNK // 32)  # leaf words the lists were made from
+            scanned = listed * (CHUNK // 32)  # leaf words the lists were made from
         V = k_free + got
         # (PB-LRU: every slot that receives an entry joins the current round's bucket at commit;
         # a prepare's round end runs across the grid in the launch after this one: round_end.)
@@ -730,14 +745,17 @@ def victims_reference(
         bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
         # The candidate lists the classify made, as running totals (see victim_slot).
         segments = P if bitmaps is None else bitmaps.R * -(-st.gpu_slots // C)
-        sw = int(SEG_WORDS)
+        sw, lanes, listed = int(SEG_WORDS), PLAN_LANES[st.policy], segments
         scratch.seg[0] = scratch.seg[2] = 0
         run = clean_run = 0
-        for k in range(segments):
-            run += int(scratch.seg[sw * k + sw])
-            clean_run += int(scratch.seg[sw * k + sw + 2])
-            scratch.seg[sw * k + sw] = run
-            scratch.seg[sw * k + sw + 2] = clean_run
+        segments = 0  # as far as the victims reach, a block of lanes at a time
+        while segments < listed and run < M - k_free:
+            for k in range(segments, min(listed, segments + lanes)):
+                run += int(scratch.seg[sw * k + sw])
+                clean_run += int(scratch.seg[sw * k + sw + 2])
+                scratch.seg[sw * k + sw] = run
+                scratch.seg[sw * k + sw + 2] = clean_run
+            segments = min(listed, segments + lanes)
         head0 = head  # where the classify's ring blocks start
         if bitmaps is None:
             scanned_from = head
@@ -771,7 +789,7 @@ def victims_reference(
             for i in range(bitmaps.R):
                 bucket = bitmaps.R if i == 0 else (rnd + i) % bitmaps.R
                 victims += sorted(bitmaps.sets[bucket])[: M - len(victims)]
-            scanned = segments * (C // 32)
+            scanned = listed * (C // 32)
             bitmaps.store()
         V = len(victims)
         ring_blocks = ring_at = dropped = 0
