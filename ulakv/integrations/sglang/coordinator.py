@@ -204,7 +204,8 @@ class UlakvSparseCoordinator:
         req_pool_indices_cpu: torch.Tensor,
     ) -> None:
         """HiSparse reserves a device slot for each new token here. ulakv needs none: the allocator made
-        ``out_cache_loc`` live, and the token's write (``set_mla_kv_buffer``) gives it a home."""
+        ``out_cache_loc`` live, and the token's write (``set_mla_kv_buffer``) gives it a home. No work
+        by design (SGLang calls it every decode step), not a stand-in."""
 
     def wait_for_pending_backup(self) -> None:
         """HiSparse waits for its device-to-host backup; ulakv keeps no backup (one home per entry).
@@ -212,7 +213,8 @@ class UlakvSparseCoordinator:
         self.store.kv.join()
 
     def set_decode_producer_stream(self, stream: Any) -> None:
-        """The scheduler's forward stream; pool calls run on the current stream, so nothing to keep."""
+        """The scheduler's forward stream. No work by design: pool calls run on the current stream
+        (the forward stream when SGLang calls them), so there is nothing to keep."""
 
     def host_token_len(self, kv_allocated_len: int) -> int:
         return kv_allocated_len  # no compressed (DeepSeek-V4) layout
@@ -233,13 +235,14 @@ class UlakvSparseCoordinator:
     # -- speculative decoding --------------------------------------------------------------------
     def allocate_spec_scratch(self, req_pool_indices: list[int]) -> None:
         """HiSparse keeps per-request scratch for draft tokens; draft tokens here are slots like any
-        other (written by verify, freed by the allocator when rejected)."""
+        other (written by verify, freed by the allocator when rejected). No work by design."""
 
     def prepare_spec_verify(self, batch: Any) -> None:
-        """Nothing to prepare: verify's ``[B, Q, K]`` selection is one ``prepare``."""
+        """No work by design: verify's ``[B, Q, K]`` selection is one ``prepare``."""
 
     def commit_spec_accept_tokens(self, batch: Any, accept_indices: torch.Tensor) -> None:
-        """Accepted tokens keep their slots and rows; rejected ones are freed by SGLang's allocator."""
+        """No work by design: accepted tokens keep their slots and rows; rejected ones are freed by
+        SGLang's allocator."""
 
     # -- not served ------------------------------------------------------------------------------
     def admit_request_direct(self, req: Any) -> None:
