@@ -38,6 +38,20 @@ def test_each_memory_operation_counts_once_and_the_busiest_program_sets_the_leng
     assert int(x[7]) == 5 and x[:3].tolist() == [2, 2, 1]  # the kernels still ran
 
 
+def test_a_launch_of_more_programs_than_slots_runs_in_waves() -> None:
+    """With program slots, a launch lasts its programs' operations shared by the slots (rounded up)
+    when that is longer than its busiest program: 41 programs of 5-6 operations (206) on 4 slots
+    take 52 steps; on 64 slots the busiest program's 6."""
+    x = torch.zeros(64, dtype=torch.int64)
+    with count_memory_ops() as launches:
+        _one_of_each[(41,)](x, BLOCK=4)
+    (launch,) = launches
+    assert launch.total == 41 * 5 + 1
+    assert launch.length() == launch.length(64) == 6
+    assert launch.length(4) == 52
+    assert critical_path(launches, slots=4) == 52
+
+
 @pytest.mark.parametrize("policy", ["lru", "pblru"])
 def test_a_release_walks_one_group_a_program(policy: str) -> None:
     """Groups share no release state, so a release runs a program per group, each walking the

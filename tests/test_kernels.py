@@ -178,13 +178,24 @@ def test_tiles_of_either_size_match_reference(tiling, policy, monkeypatch: pytes
     pool.check_invariants()
 
 
+def few_program_slots(monkeypatch: pytest.MonkeyPatch, slots: int) -> None:
+    """Persistent grids (apply's workers, classify's pool-wide lists) of ``slots`` programs, so
+    that each program strides over several tiles or blocks, as on a GPU under a large call."""
+    for module in (apply_mod, lookup_mod):
+        monkeypatch.setattr(module, "program_slots", lambda device: slots)
+
+
+@pytest.mark.parametrize("slots", [None, 3], ids=["slots-of-an-h200", "3-program-slots"])
 @pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(3)], ids=["lru", "pblru3"])
-def test_element_tiles_across_chunks_match_reference(policy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_element_tiles_across_chunks_match_reference(policy, slots, monkeypatch: pytest.MonkeyPatch) -> None:
     """At the GPU's tiling the chunk's elements are served by 4 programs of 256: a write and
     prepares of 1,331 elements (a chunk and a part, element tiles cut mid-way), hits, misses and
     duplicates in every element tile, some misses past the victims that fit (a write's entries
-    that stay on the CPU), give the slots and LRU appends of their references word for word."""
+    that stay on the CPU), give the slots and LRU appends of their references word for word.
+    With 3 program slots, each worker moves several tiles of misses."""
     monkeypatch.setattr(apply_mod, "TILING", apply_mod.GPU_TILING)
+    if slots is not None:
+        few_program_slots(monkeypatch, slots)
     pool = small_pool(
         gpu_slots=300, cpu_slots=900, bytes_per_layer=4, num_layers=1, layers_per_group=1, policy=policy
     )
@@ -202,6 +213,32 @@ def test_element_tiles_across_chunks_match_reference(policy, monkeypatch: pytest
         pool.check_invariants()
 
 
+@pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(3)], ids=["lru", "pblru3"])
+def test_misses_found_across_many_chunks(policy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Apply's workers find each miss's chunk by a binary search over the chunks' first misses: a
+    prepare of 5 chunks and a part (5,500 elements) whose chunks hold misses, only hits, only
+    padding, misses again, so that several chunks start at the same miss; 2 workers of 8-row
+    tiles stride over them; plan and apply equal their references word for word."""
+    monkeypatch.setattr(apply_mod, "TILING", apply_mod.GPU_TILING)
+    few_program_slots(monkeypatch, 2)
+    pool = small_pool(
+        gpu_slots=500, cpu_slots=900, bytes_per_layer=4, num_layers=1, layers_per_group=1, policy=policy
+    )
+    gen = torch.Generator().manual_seed(23)
+    seq = pool.admit(1300)
+    run_stagewise(pool, 0, seq.addresses, random_rows(gen, 1300, 4), 0)  # 500 on the GPU
+    resident = pool.residency(0, seq.addresses) >= 0
+    on_gpu, on_cpu = seq.addresses[resident], seq.addresses[~resident]
+    pad = torch.full((1024,), -1, dtype=seq.addresses.dtype)
+    hits = on_gpu[torch.arange(1024) % 60]
+    sel = torch.cat(
+        [on_cpu[:37], hits[:987], hits, pad, pad, on_cpu[37:90].repeat(20)[:1024], on_cpu[90:400]]
+    )
+    assert sel.numel() == 5 * 1024 + 310
+    run_stagewise(pool, 0, sel)
+    pool.check_invariants()
+
+
 def test_lru_ring_compaction_matches_reference() -> None:
     """Re-touching the same GPU entries fills the ring with stale pairs until it compacts."""
     pool = small_pool(gpu_slots=3, cpu_slots=4, num_layers=1, layers_per_group=1)
@@ -214,12 +251,19 @@ def test_lru_ring_compaction_matches_reference() -> None:
         pool.check_invariants()
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-apply", "engine-split"])
-def test_ring_compaction_across_blocks_matches_reference(split: bool) -> None:
+@pytest.mark.parametrize(
+    ("split", "slots"),
+    [(False, None), (True, None), (False, 1)],
+    ids=["one-apply", "engine-split", "one-program-slot"],
+)
+def test_ring_compaction_across_blocks_matches_reference(split: bool, slots, monkeypatch) -> None:
     """A ring of 1,202 pairs (two blocks of CHUNK, 601 slots): hot entries touched again every call
     leave stale pairs and fresh picks take victims, so calls compact with the head inside a block,
     pairs dropped before it, the ring wrapped, and writes (whose round tail lies before the tail)
-    between; each compacting call's plan and apply equal their references word for word."""
+    between; each compacting call's plan and apply equal their references word for word. With one
+    program slot, one classify program packs both blocks and one apply worker copies them."""
+    if slots is not None:
+        few_program_slots(monkeypatch, slots)
     pool = small_pool(gpu_slots=601, cpu_slots=420, bytes_per_layer=4, num_layers=1, layers_per_group=1)
     gen, rng = torch.Generator().manual_seed(11), random.Random(11)
     seq = pool.admit(1000)

@@ -1,6 +1,6 @@
-"""Apply: carry out a plan. A grid of (chunk, tile) programs: program ``(c, t)`` moves
-misses ``t * ROWS`` to ``t * ROWS + ROWS`` of chunk ``c``, so the busiest program moves one tile of rows
-however many misses a chunk has.
+"""Apply: carry out a plan. Element programs write each element's slot and recency; a persistent
+grid of workers, as many as the GPU holds at once, strides over the plan's misses ``ROWS`` at a time
+(the count read on the device), so the grid follows the work the plan found, not the call's size.
 
 A swap never overwrites a live home: each victim's rows first go to a *free* CPU row (the pool keeps
 ``staging_slots`` spare rows so one exists even when every admitted row is taken), then its mapping
@@ -41,6 +41,7 @@ from . import buckets
 from . import common as K
 from ._triton import INTERPRETED, tl, triton
 from .buckets import PBLRUBits
+from .grid import program_slots
 from .operands import as_words
 from .rows import aligned_to, load_units, store_units, unit_offsets, vector_unit, vectors_per_row
 from .victims import (
@@ -55,20 +56,18 @@ from .victims import (
 
 
 class Tiling(NamedTuple):
-    """How apply splits a chunk: ``rows`` misses a program (the rows it moves), and ``elements``
-    elements a program for the element-wise outputs (a prepare's slots, the LRU appends), served by
-    the chunk's first ``CHUNK / elements`` programs."""
+    """How apply splits its work: ``rows`` rows a worker's step (misses, or a write's homed rows),
+    and ``elements`` elements an element program (a prepare's slots, the LRU appends)."""
 
     rows: int
     elements: int
 
 
 # On a GPU at 8 warps a tile of 8 rows x 64 vectors of 16 B (8 KiB) is 8 words a thread, and 256
-# elements one a thread: 108-122 registers (sm_90 cubins, ``compile_check``), 16 resident warps an
-# SM. 16-row tiles, with one program serving the chunk's 1,024 elements, took 125-186 (8 resident);
-# element tiles of 8 (one a row tile) would repeat each operation in 128 programs a chunk where 4
-# do. The interpreter pays per operation, not per element: 8x taller row tiles, one element tile a
-# chunk. The launcher reads ``TILING`` at each launch: tests set it to ``GPU_TILING`` so CI also
+# elements one a thread: 104-120 registers (sm_90 cubins, ``compile_check``), 16 resident warps an
+# SM. 16-row tiles, with one program serving a chunk's 1,024 elements, took 125-186 (8 resident).
+# The interpreter pays per operation, not per element: 8x taller row tiles, 1,024 elements a
+# program. The launcher reads ``TILING`` at each launch: tests set it to ``GPU_TILING`` so CI also
 # runs the GPU's tiling.
 GPU_TILING = Tiling(rows=8, elements=256)
 INTERPRETER_TILING = Tiling(rows=64, elements=K.CHUNK)
@@ -77,19 +76,61 @@ APPLY_WARPS = 8
 
 ALL_PHASES = (int(K.PH_OUT), int(K.PH_COMMIT))
 
+# How many chunks past the last tile's a worker's next tile looks for its misses' chunks, in one
+# load: a tile's 8 misses span 2 chunks unless whole chunks in between had none (all hits or
+# padding); past that it searches (``_chunk_of``: a load a halving, 10 at 768 chunks). 8 chunks
+# spilled 24 B in the byte-row variants (128 registers).
+CHUNKS_AHEAD = tl.constexpr(4)
+
+
+@triton.jit
+def _chunk_of(j, live, chunk_off_ptr, n_chunks, step):
+    """The chunk holding each of the call's misses ``j`` (the last chunk whose first miss is at
+    most ``j``: the chunks' first misses never decrease), and that chunk's first miss. A binary
+    search, ``step`` the largest power of two below ``n_chunks`` (0 for one chunk): a load a step,
+    10 at batch 256 x 3 x 2048 (768 chunks)."""
+    c = tl.zeros_like(j)
+    first = tl.zeros_like(j)
+    while step > 0:
+        ahead = c + step
+        ok = live & (ahead < n_chunks)
+        at = tl.load(chunk_off_ptr + ahead * K.OFF_WORDS + K.O_MISS, mask=ok, other=0)
+        ok = ok & (at <= j)
+        c = tl.where(ok, ahead, c)
+        first = tl.where(ok, at, first)
+        step = step // 2
+    return c, first
+
+
+@triton.jit
+def _chunk_ahead(j, live, c_last, first_last, chunk_off_ptr, n_chunks, AHEAD: tl.constexpr):
+    """The chunks of misses ``j`` that lie in chunk ``c_last`` (first miss ``first_last``) or in
+    the ``AHEAD`` chunks after it, from one load of those chunks' first misses; ``beyond`` when a
+    miss may lie further (then ``_chunk_of`` searches)."""
+    ahead = c_last + 1 + tl.arange(0, AHEAD)
+    exists = ahead < n_chunks
+    at = tl.load(chunk_off_ptr + ahead * K.OFF_WORDS + K.O_MISS, mask=exists, other=0)
+    passed = exists[None, :] & (at[None, :] <= j[:, None])  # a prefix of each row: first misses rise
+    n = tl.sum(passed.to(tl.int32), axis=1)
+    first = tl.maximum(tl.max(tl.where(passed, at[None, :], 0), axis=1), first_last)
+    beyond = tl.max((live & (n == AHEAD)).to(tl.int32), axis=0) > 0
+    return c_last + n, first, beyond
+
 
 @triton.jit
 def _miss_tile(
-    r0,
-    n_miss,
-    base,
-    m_off,
+    j,
+    mm,
+    c_last,
+    first_last,
     k_free,
     V,
-    G,
     sel_ptr,
     home_ptr,
     miss_pos_ptr,
+    chunk_off_ptr,
+    n_chunks,
+    search_step,
     victims_ptr,
     popped_ptr,
     cand_ptr,
@@ -97,18 +138,19 @@ def _miss_tile(
     segments,
     fill,
     CHUNK: tl.constexpr,
-    ROWS: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
-    """The misses ``r0 .. r0 + ROWS`` of a chunk: position, address, source home, GPU slot (if
-    any), whether its victim fills (the plan counted it clean and fills: it pops no row), how many
-    victims before it are clean, and the popped CPU row that receives the victim (or the entry
-    itself, with no slot)."""
-    r = r0 + tl.arange(0, ROWS)
-    mm = r < n_miss
-    p = tl.load(miss_pos_ptr + base + r, mask=mm, other=0)
+    """The call's misses ``j`` (``mm``: those that exist), which lie in chunk ``c_last`` (whose
+    first miss is ``first_last``) or later: chunk and its first miss, position, address, source
+    home, GPU slot (if any), whether its victim fills (the plan counted it clean and fills: it pops
+    no row), how many victims before it are clean, and the popped CPU row that receives the victim
+    (or the entry itself, with no slot)."""
+    c, first, beyond = _chunk_ahead(j, mm, c_last, first_last, chunk_off_ptr, n_chunks, AHEAD)
+    if beyond:
+        c, first = _chunk_of(j, mm, chunk_off_ptr, n_chunks, search_step)
+    p = tl.load(miss_pos_ptr + c * CHUNK + (j - first), mask=mm, other=0)
     a = tl.load(sel_ptr + p, mask=mm, other=0).to(tl.int64)
     src = tl.load(home_ptr + p, mask=mm, other=0)
-    j = m_off + r
     has_slot = mm & (j < V)
     v, clean, before = victim_slot(j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK)
     popping = mm & (j >= k_free)  # misses past the free slots evict, or get a CPU row themselves
@@ -116,16 +158,17 @@ def _miss_tile(
     fills = tl.where(clean, fill, 0) != 0
     takes_row = popping & ~fills
     cpu_row = tl.load(popped_ptr + pop_index_jit(j, k_free, before, fill), mask=takes_row, other=0)
-    return p, a, src, mm, has_slot, v, fills, before, popping, cpu_row
+    return c, first, p, a, src, has_slot, v, fills, before, popping, cpu_row
 
 
 # Not specialised: T, G, Qcap, L (short last group), write_layer, phase and in-layer bounds, layer0 (all
-# vary per call or feed no vectorisable access); the alignment of the caller's selection, rows and slots
-# (any view) and of group g's rows of [groups, ...] state. Specialised: n_vec (vectors a row) and the
-# layer strides (fixed per pool; rows move in UNIT-element vectors, 16 bytes where the launcher found
-# them aligned), gpu_ptr/cpu_ptr (the whole pool's rows, offset by layer0
-# in the kernel so alignment never changes), scratch and fetched rows (whole allocations), constexprs.
-# (Before: up to 30 apply variants in tests/test_compile_variants.py's serving loop; now 2.)
+# vary per call or feed no vectorisable access), the chunk search's first step (varies with T); the
+# alignment of the caller's selection, rows and slots (any view) and of group g's rows of [groups, ...]
+# state. Specialised: n_vec (vectors a row) and the layer strides (fixed per pool; rows move in
+# UNIT-element vectors, 16 bytes where the launcher found them aligned), gpu_ptr/cpu_ptr (the whole
+# pool's rows, offset by layer0 in the kernel so alignment never changes), scratch and fetched rows
+# (whole allocations), constexprs. (Before: up to 30 apply variants in tests/test_compile_variants.py's
+# serving loop; now 2.)
 @triton.jit(
     do_not_specialize=[
         "T",
@@ -143,6 +186,8 @@ def _miss_tile(
         "R",
         "C",
         "group_row_bytes",
+        "search_step",
+        "homed_programs",
     ],
     do_not_specialize_on_alignment=[
         "sel_ptr",
@@ -220,6 +265,8 @@ def apply_kernel(
     group_row_bytes,
     ring_ptr,
     ring_blocks_ptr,
+    search_step,
+    homed_programs,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -230,16 +277,15 @@ def apply_kernel(
     UNIT_BYTES: tl.constexpr,
     CACHE: tl.constexpr,
 ):
-    # Program (c, t) moves misses t * ROWS .. t * ROWS + ROWS of chunk c (in a write, that tile of
-    # the chunk's elements' rows too) and, when t * ELEMS < CHUNK, serves elements t * ELEMS ..
-    # + ELEMS: their slots and LRU appends. A chunk's work is thus spread over its programs: the
-    # busiest program's work does not grow with the misses or the chunk (one program a chunk moved
-    # up to 1,024 rows before; tile 0 then served all 1,024 elements, whose registers held every
-    # program at 8 resident warps).
+    # Three kinds of program. The first ``element_programs`` serve ELEMS elements each: their
+    # slots (a prepare) and LRU appends (exact LRU), work the call's size sets. In a write, the next
+    # ``homed_programs`` store the rows of entries homed before it, ROWS rows a step. The rest are a
+    # persistent grid, the GPU's program slots or fewer: each strides over the work the plan
+    # counted (read here, on the device), ROWS misses a step, then the ring blocks of a compacting
+    # call. A grid sized by the call instead launched a program per ROWS elements, 196,608 at batch
+    # 256 x 3 x 2048, most with no miss to move. (The write's homed rows have programs of their own:
+    # in the workers' loop their hoisted addresses spilled 24 B at 128 registers.)
     pid = tl.program_id(0)
-    tile = tl.program_id(1)
-    base = pid.to(tl.int64) * CHUNK
-    r0 = tile * ROWS
     # Layer offsets in int64: 4 layers x 5 M CPU rows x 164 words already passes 2**31.
     gpu_layer_stride = gpu_layer_stride.to(tl.int64)
     cpu_layer_stride = cpu_layer_stride.to(tl.int64)
@@ -247,87 +293,149 @@ def apply_kernel(
     # group (layer0 x (G + 1) x W words) and compile a variant each; this keeps the pool's alignment.
     gpu_ptr += layer0.to(tl.int64) * gpu_layer_stride
     cpu_ptr += layer0.to(tl.int64) * cpu_layer_stride
-    # The plan's control words, in one load: each separate scalar load is a dependent step. The
-    # chunk's miss count is loaded beside them (independent of them): a program with no misses in its
-    # tile (and, in a write, no elements) stops after this one step. The grid is sized by the call,
-    # so at batch 256 x 3 x 2048 most of its 98,304 programs have nothing to move; each used to wait
-    # for three loads in a row and three barriers first.
+    # The plan's control words, in one load: each separate scalar load is a dependent step.
     ctl = tl.load(ctl_ptr + tl.arange(0, K.CTL_BLOCK), mask=tl.arange(0, K.CTL_BLOCK) < K.CTL_WORDS, other=0)
-    # Exact LRU's launch has programs past the chunks': each copies one block of a compacting
-    # call's ring into place at commit (``ring_block_copy``), and nothing else.
-    chunk_program = pid < (T + CHUNK - 1) // CHUNK
-    n_miss = tl.load(counts_ptr + pid * K.COUNT_WORDS + K.C_NEED, mask=chunk_program, other=0)
-    # The elements this program serves, if any: element tile `tile` of the chunk.
-    e0 = tile * ELEMS
-    serves = (e0 < CHUNK) & (base + e0 < T)
-    pos = base + e0 + tl.arange(0, ELEMS)
-    inb = (pos < T) & (e0 + tl.arange(0, ELEMS) < CHUNK)
-    busy = (r0 < n_miss) | serves
-    if WRITE:
-        busy = busy | (base + r0 < T)  # _write_homed stores the tile's elements' rows
-    busy = busy & chunk_program
     status = control_word(ctl, K.E_LAST_STATUS)
     run_out = (first_phase <= K.PH_OUT) & (last_phase >= K.PH_OUT)
     run_evict = (first_phase <= K.PH_EVICT) & (last_phase >= K.PH_EVICT)
     run_in = (first_phase <= K.PH_IN) & (last_phase >= K.PH_IN)
     run_commit = (first_phase <= K.PH_COMMIT) & (last_phase >= K.PH_COMMIT)
-    if status != 0:
-        if not WRITE:
-            if run_evict:
-                tl.store(slots_ptr + pos, tl.full((ELEMS,), -1, tl.int32), mask=inb)
-    elif busy:
-        off = chunk_off_ptr + pid * K.OFF_WORDS
-        m_off = tl.load(off + K.O_MISS)
-        k_free = control_word(ctl, K.E_KFREE)
-        V = control_word(ctl, K.E_VICTIMS)
-        segments = control_word(ctl, K.E_SEGMENTS)
+    k_free = control_word(ctl, K.E_KFREE)
+    V = control_word(ctl, K.E_VICTIMS)
+    segments = control_word(ctl, K.E_SEGMENTS)
+    n_chunks = (T + CHUNK - 1) // CHUNK
+    element_programs = 0
+    if (not WRITE) or (POLICY == K.EXACT_LRU):
+        element_programs = (T + ELEMS - 1) // ELEMS
+    if pid < element_programs:
+        e0 = pid.to(tl.int64) * ELEMS
+        pos = e0 + tl.arange(0, ELEMS)
+        inb = pos < T
+        if status != 0:
+            if not WRITE:
+                if run_evict:
+                    tl.store(slots_ptr + pos, tl.full((ELEMS,), -1, tl.int32), mask=inb)
+        else:
+            _serve_elements(
+                pos,
+                inb,
+                e0 // CHUNK,
+                run_evict,
+                run_commit,
+                k_free,
+                V,
+                segments,
+                flags_ptr,
+                home_ptr,
+                first_pos_ptr,
+                chunk_off_ptr,
+                miss_rank_ptr,
+                hit_rank_ptr,
+                victims_ptr,
+                cand_ptr,
+                seg_ptr,
+                slots_ptr,
+                slot_of_ptr,
+                ver_ptr,
+                q_slot_ptr,
+                q_ver_ptr,
+                Qcap,
+                WRITE,
+                POLICY,
+                CHUNK,
+            )
+    elif pid < element_programs + homed_programs:
+        if WRITE & (status == 0) & run_in:  # a write's rows of entries homed before it, where they live
+            tile = (pid - element_programs).to(tl.int64)
+            while tile < (T + ROWS - 1) // ROWS:
+                _write_homed(
+                    tile * ROWS,
+                    T,
+                    G,
+                    flags_ptr,
+                    home_ptr,
+                    copy_row_ptr,
+                    rows_ptr,
+                    gpu_ptr,
+                    cpu_ptr,
+                    write_layer,
+                    gpu_layer_stride,
+                    cpu_layer_stride,
+                    n_vec,
+                    VECS,
+                    UNIT,
+                    UNIT_BYTES,
+                    ROWS,
+                )
+                tile += homed_programs
+    elif status == 0:
+        worker = pid - element_programs - homed_programs
+        workers = tl.num_programs(0) - element_programs - homed_programs
+        M = control_word(ctl, K.E_MISSES)
+        miss_tiles = (M + ROWS - 1) // ROWS
         fill = control_word(ctl, K.E_FILL)
         vm = (tl.arange(0, VECS) < n_vec)[None, :, None]  # a row's vectors (the axis is a power of two)
-        has_misses = r0 < n_miss
-        p, a, src, mm, has_slot, v, fills, before, popping, cpu_row = _miss_tile(
-            r0,
-            n_miss,
-            base,
-            m_off,
-            k_free,
-            V,
-            G,
-            sel_ptr,
-            home_ptr,
-            miss_pos_ptr,
-            victims_ptr,
-            popped_ptr,
-            cand_ptr,
-            seg_ptr,
-            segments,
-            fill,
-            CHUNK,
-            ROWS,
-        )
+        rnd = tl.load(gctl_ptr + K.G_ROUND)  # PB-LRU's round (the plan started it)
+        # Worker w moves the misses' tiles [w * per, (w + 1) * per): consecutive tiles lie in the
+        # same chunks or the next ones, so each finds its rows' chunks from the last tile's in one
+        # load (a binary search over the chunks when they lie further: a worker's first tile).
+        # (in 32 bits: a 64-bit division by a runtime value is a called routine on sm_90)
+        per = (miss_tiles.to(tl.int32) + workers - 1) // workers
+        t = worker.to(tl.int64) * per
+        t_end = tl.minimum(t + per, miss_tiles)
+        c_last = tl.zeros((), tl.int64)  # the chunk of the last tile's last miss, and its first miss
+        first_last = tl.zeros((), tl.int64)
+        while t < t_end:
+            j = t * ROWS + tl.arange(0, ROWS)
+            mm = j < M
+            c, first, p, a, src, has_slot, v, fills, before, popping, cpu_row = _miss_tile(
+                j,
+                mm,
+                c_last,
+                first_last,
+                k_free,
+                V,
+                sel_ptr,
+                home_ptr,
+                miss_pos_ptr,
+                chunk_off_ptr,
+                n_chunks,
+                search_step,
+                victims_ptr,
+                popped_ptr,
+                cand_ptr,
+                seg_ptr,
+                segments,
+                fill,
+                CHUNK,
+                CHUNKS_AHEAD,
+            )
+            c_last = tl.max(tl.where(mm, c, 0), axis=0)
+            first_last = tl.max(tl.where(mm, first, 0), axis=0)
 
-        # A victim whose entry came in from a CPU row that still holds its bytes (a free row, its
-        # copy) goes back there with no copy: a *clean* eviction. When the plan fills, the victims
-        # it counted clean pop nothing (``fills``). Every other victim popped a row; it goes back to
-        # its copy all the same (``back``) when the copy is intact and no pop of the call took it:
-        # it lies deeper than the call's pops (as the call began: the classify took the depth), or
-        # it is the row the victim popped itself. Its popped row then takes the copy's place. The
-        # words read here change only at commit, or by a pop of that very copy, which rules it out
-        # anyway: every phase of every launch of this plan decides the same.
-        copy = tl.full((ROWS,), -1, tl.int32)
-        back = has_slot & (copy >= 0)
-        if not CACHE:  # a buffer's victims live on their home rank: no copies
-            copy = tl.load(copy_row_ptr + v, mask=has_slot & popping, other=-1)
-            back = popping & ~fills & (copy >= 0)
-            back = back & (tl.load(copy_slot_ptr + copy, mask=back, other=-1) == v)
-            deep = tl.load(copy_depth_ptr + v, mask=back, other=0) >= control_word(ctl, K.E_POPS)
-            back = back & (deep | (copy == cpu_row))
-        clean = fills | back  # no bytes move
-        dest = tl.where(clean, copy, cpu_row)  # the victim's CPU row
+            # A victim whose entry came in from a CPU row that still holds its bytes (a free row,
+            # its copy) goes back there with no copy: a *clean* eviction. When the plan fills, the
+            # victims it counted clean pop nothing (``fills``). Every other victim popped a row; it
+            # goes back to its copy all the same (``back``) when the copy is intact and no pop of
+            # the call took it: it lies deeper than the call's pops (as the call began: the
+            # classify took the depth), or it is the row the victim popped itself. Its popped row
+            # then takes the copy's place. The words read here change only at commit, or by a pop
+            # of that very copy, which rules it out anyway: every phase of every launch of this
+            # plan decides the same.
+            copy = tl.full((ROWS,), -1, tl.int32)
+            back = has_slot & (copy >= 0)
+            if not CACHE:  # a buffer's victims live on their home rank: no copies
+                copy = tl.load(copy_row_ptr + v, mask=has_slot & popping, other=-1)
+                back = popping & ~fills & (copy >= 0)
+                back = back & (tl.load(copy_slot_ptr + copy, mask=back, other=-1) == v)
+                deep = tl.load(copy_depth_ptr + v, mask=back, other=0) >= control_word(ctl, K.E_POPS)
+                back = back & (deep | (copy == cpu_row))
+            clean = fills | back  # no bytes move
+            dest = tl.where(clean, copy, cpu_row)  # the victim's CPU row
 
-        # -- out: victims' rows, every layer, to their popped CPU rows ----------------------------
-        # (a buffer drops its victims: their home is on another rank)
-        if run_out and not CACHE:
-            if has_misses:
+            # -- out: victims' rows, every layer, to their popped CPU rows ------------------------
+            # (a buffer drops its victims: their home is on another rank)
+            if run_out and not CACHE:
                 old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
                 evict = (has_slot & popping & (old >= 0) & ~clean)[:, None, None] & vm
                 v2, _ = unit_offsets(v.to(tl.int64), n_vec, VECS, UNIT)
@@ -335,11 +443,10 @@ def apply_kernel(
                 for layer in range(L):
                     row = load_units(gpu_ptr + layer * gpu_layer_stride, v2, evict, UNIT, UNIT_BYTES)
                     store_units(cpu_ptr + layer * cpu_layer_stride, dest2, row, evict, UNIT, UNIT_BYTES)
-        tl.debug_barrier()  # data before mapping
+            tl.debug_barrier()  # data before mapping
 
-        # -- evict: victims now live on the CPU; output slots --------------------------------------
-        if run_evict:
-            if has_misses:
+            # -- evict: victims now live on the CPU ------------------------------------------------
+            if run_evict:
                 old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
                 evict = has_slot & popping & (old >= 0)
                 if CACHE:  # dropped: the entry lives on its home rank, not here
@@ -364,32 +471,10 @@ def apply_kernel(
                     word = tl.where(pair == 0, K.S_BYTES_OUT, K.S_CLEAN)
                     tl.atomic_add(stats_ptr + word, added, mask=added > 0, sem="relaxed")
                 tl.store(owner_ptr + v, tl.full((ROWS,), -1, tl.int32), mask=evict)
-            if serves & ((not WRITE) or (POLICY == K.EXACT_LRU)):
-                slot = _slot_of(
-                    pos,
-                    inb,
-                    CHUNK,
-                    flags_ptr,
-                    home_ptr,
-                    first_pos_ptr,
-                    chunk_off_ptr,
-                    miss_rank_ptr,
-                    victims_ptr,
-                    cand_ptr,
-                    seg_ptr,
-                    segments,
-                    k_free,
-                    V,
-                )
-                if not WRITE:
-                    tl.store(slots_ptr + pos, slot, mask=inb)
-                if POLICY == K.EXACT_LRU:
-                    tl.store(slot_of_ptr + pos, slot, mask=inb)  # for commit's recency
-        tl.debug_barrier()
+            tl.debug_barrier()
 
-        # -- in: misses' rows, layers [in_lo, in_hi), into their GPU slots --------------------------
-        if run_in:
-            if has_misses:
+            # -- in: misses' rows, layers [in_lo, in_hi), into their GPU slots --------------------
+            if run_in:
                 from_cpu = (mm & (src >= G))[:, None, None] & vm
                 src2, _ = unit_offsets((src - G).to(tl.int64), n_vec, VECS, UNIT)
                 to_gpu = has_slot[:, None, None] & vm
@@ -401,8 +486,7 @@ def apply_kernel(
                     new_row = load_units(rows_ptr, p2, to_gpu | to_cpu, UNIT, UNIT_BYTES)
                 if CACHE:  # rows fetched from their home ranks, every layer of the group: miss j's
                     # is row fetch_row[j] (an all-gather's output is in home order, not miss order)
-                    miss_j = m_off + r0 + tl.arange(0, ROWS)
-                    f_row = tl.load(fetch_row_ptr + miss_j, mask=has_slot, other=0).to(tl.int64)
+                    f_row = tl.load(fetch_row_ptr + j, mask=has_slot, other=0).to(tl.int64)
                 for layer in range(in_lo, in_hi):
                     # An entry with no CPU row yet (never written) starts as zeros.
                     if CACHE:
@@ -416,31 +500,10 @@ def apply_kernel(
                     store_units(gpu_ptr + layer * gpu_layer_stride, g2, row, to_gpu, UNIT, UNIT_BYTES)
                     if not CACHE:  # a buffer's misses always get a slot (max_selection <= slots)
                         store_units(cpu_ptr + layer * cpu_layer_stride, c2, row, to_cpu, UNIT, UNIT_BYTES)
-            if WRITE:
-                _write_homed(
-                    base + r0,
-                    T,
-                    G,
-                    flags_ptr,
-                    home_ptr,
-                    copy_row_ptr,
-                    rows_ptr,
-                    gpu_ptr,
-                    cpu_ptr,
-                    write_layer,
-                    gpu_layer_stride,
-                    cpu_layer_stride,
-                    n_vec,
-                    VECS,
-                    UNIT,
-                    UNIT_BYTES,
-                    ROWS,
-                )
-        tl.debug_barrier()  # data before mapping
+            tl.debug_barrier()  # data before mapping
 
-        # -- commit: misses live where their rows are; freed CPU rows; recency -----------------------
-        if run_commit:
-            if has_misses:
+            # -- commit: misses live where their rows are; freed CPU rows; PB-LRU's recency -------
+            if run_commit:
                 tl.store(map_ptr + a, tl.where(has_slot, v, G + cpu_row), mask=mm)
                 tl.store(owner_ptr + v, a.to(tl.int32), mask=has_slot)
                 # A miss from the CPU leaves its row, a copy of the entry now in its slot, at the
@@ -448,7 +511,8 @@ def apply_kernel(
                 # fill. Filling, a miss whose victim was clean puts it in that victim's copy's place.
                 pushes = mm & (src >= G)
                 if not CACHE:
-                    push = control_word(ctl, K.E_PUSH_BASE) + tl.load(off + K.O_PUSH) - before * fill
+                    push = control_word(ctl, K.E_PUSH_BASE) - before * fill
+                    push += tl.load(chunk_off_ptr + c * K.OFF_WORDS + K.O_PUSH, mask=pushes, other=0)
                     push = K.wrap(push + tl.load(cpu_rank_ptr + p, mask=pushes, other=0), C)  # < 2C
                     filling = pushes & fills
                     push = tl.where(filling, tl.load(cpu_pos_ptr + copy, mask=filling, other=0), push)
@@ -461,42 +525,105 @@ def apply_kernel(
                     # rnd + 1), and every slot that receives an entry joins the current round.
                     # (the plan took the round's bucket: a 64-bit remainder is a called routine,
                     # whose calling convention spilled live registers here)
-                    rnd = tl.load(gctl_ptr + K.G_ROUND)
                     rnd_bucket = control_word(ctl, K.E_ROUND_BUCKET)
                     taken = has_slot & popping
                     stamp = tl.load(stamp_ptr + v, mask=taken, other=0)
                     bucket = tl.where(rnd + 1 - stamp < R, stamp % R, R).to(tl.int64)
                     buckets.clear_path(bits_ptr, bucket * BW, lvl_ptr, n_levels, v, taken)
                     buckets.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, rnd, rnd_bucket, v, has_slot)
-            if (POLICY == K.EXACT_LRU) & serves:  # PB-LRU recorded recency in lookup and above
-                # The evict phase found them (this program, in this or an earlier launch).
-                slot = tl.load(slot_of_ptr + pos, mask=inb, other=-1)
-                flags = tl.load(flags_ptr + pos, mask=inb, other=0)
-                appended = ((flags & K.F_FIRST) != 0) & (slot >= 0)
-                # The chunk appends its first occurrences that end on the GPU, in order: its hits,
-                # and its misses up to the last that took a slot (misses m_off + r with r < V - m_off).
-                # An element's place among them: the hits before it, and the misses before it that
-                # took a slot.
-                with_slot = tl.maximum(V - m_off, 0)
-                ahead = tl.load(hit_rank_ptr + pos, mask=appended, other=0)
-                ahead += tl.minimum(tl.load(miss_rank_ptr + pos, mask=appended, other=0), with_slot)
-                # (the chunk's first ring index; a call appends at most G <= Qcap / 2 pairs)
-                q_pos = K.wrap(tl.load(off + K.O_QUEUE) + ahead, Qcap)
-                version = tl.load(ver_ptr + slot, mask=appended, other=0) + 1
-                tl.store(ver_ptr + slot, version, mask=appended)
-                tl.store(q_slot_ptr + q_pos, slot, mask=appended)
-                tl.store(q_ver_ptr + q_pos, version, mask=appended)
-    if POLICY == K.EXACT_LRU:
-        if (status == 0) & run_commit & ~chunk_program:
-            # Ring block b of a compacting call: its live pairs land before any append (the plan
-            # put the new tail after them), and no other program reads or writes those positions.
-            b = (pid - (T + CHUNK - 1) // CHUNK) * tl.num_programs(1) + tile
-            if b < control_word(ctl, K.E_RING_BLOCKS):
-                ring_at = control_word(ctl, K.E_RING_AT)
-                dropped = control_word(ctl, K.E_RING_DROPPED)
-                ring_block_copy(
-                    b, ring_at, dropped, ring_ptr, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, CHUNK
-                )
+            t += 1
+        if POLICY == K.EXACT_LRU:
+            if run_commit:
+                # Ring blocks of a compacting call (commit): a block's live pairs land before any
+                # append (the plan put the new tail after them), and no other program reads or
+                # writes those positions.
+                b = worker.to(tl.int64)
+                while b < control_word(ctl, K.E_RING_BLOCKS):
+                    ring_block_copy(
+                        b,
+                        control_word(ctl, K.E_RING_AT),
+                        control_word(ctl, K.E_RING_DROPPED),
+                        ring_ptr,
+                        ring_blocks_ptr,
+                        q_slot_ptr,
+                        q_ver_ptr,
+                        Qcap,
+                        CHUNK,
+                    )
+                    b += workers
+
+
+@triton.jit
+def _serve_elements(
+    pos,
+    inb,
+    chunk,
+    run_evict,
+    run_commit,
+    k_free,
+    V,
+    segments,
+    flags_ptr,
+    home_ptr,
+    first_pos_ptr,
+    chunk_off_ptr,
+    miss_rank_ptr,
+    hit_rank_ptr,
+    victims_ptr,
+    cand_ptr,
+    seg_ptr,
+    slots_ptr,
+    slot_of_ptr,
+    ver_ptr,
+    q_slot_ptr,
+    q_ver_ptr,
+    Qcap,
+    WRITE: tl.constexpr,
+    POLICY: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Elements ``pos`` (of chunk ``chunk``): their GPU slots at ``evict`` (a prepare's output; exact
+    LRU keeps them for commit), and under exact LRU their appends to the LRU ring at ``commit``."""
+    if run_evict:
+        slot = _slot_of(
+            pos,
+            inb,
+            CHUNK,
+            flags_ptr,
+            home_ptr,
+            first_pos_ptr,
+            chunk_off_ptr,
+            miss_rank_ptr,
+            victims_ptr,
+            cand_ptr,
+            seg_ptr,
+            segments,
+            k_free,
+            V,
+        )
+        if not WRITE:
+            tl.store(slots_ptr + pos, slot, mask=inb)
+        if POLICY == K.EXACT_LRU:
+            tl.store(slot_of_ptr + pos, slot, mask=inb)  # for commit's recency
+    tl.debug_barrier()  # the slots stored above, before commit's loads of them
+    if (POLICY == K.EXACT_LRU) & run_commit:  # PB-LRU recorded recency in lookup and in commit
+        # The evict phase found them (this program, in this or an earlier launch).
+        slot = tl.load(slot_of_ptr + pos, mask=inb, other=-1)
+        flags = tl.load(flags_ptr + pos, mask=inb, other=0)
+        appended = ((flags & K.F_FIRST) != 0) & (slot >= 0)
+        # The chunk appends its first occurrences that end on the GPU, in order: its hits, and its
+        # misses up to the last that took a slot (misses m_off + r with r < V - m_off). An
+        # element's place among them: the hits before it, and the misses before it that took a slot.
+        off = chunk_off_ptr + chunk * K.OFF_WORDS
+        with_slot = tl.maximum(V - tl.load(off + K.O_MISS), 0)
+        ahead = tl.load(hit_rank_ptr + pos, mask=appended, other=0)
+        ahead += tl.minimum(tl.load(miss_rank_ptr + pos, mask=appended, other=0), with_slot)
+        # (the chunk's first ring index; a call appends at most G <= Qcap / 2 pairs)
+        q_pos = K.wrap(tl.load(off + K.O_QUEUE) + ahead, Qcap)
+        version = tl.load(ver_ptr + slot, mask=appended, other=0) + 1
+        tl.store(ver_ptr + slot, version, mask=appended)
+        tl.store(q_slot_ptr + q_pos, slot, mask=appended)
+        tl.store(q_ver_ptr + q_pos, version, mask=appended)
 
 
 @triton.jit
@@ -573,6 +700,28 @@ def _write_homed(
     store_units(c_row, hc2, row, to_cpu[:, None, None] & vm, UNIT, UNIT_BYTES)
 
 
+def search_step(n_chunks: int) -> int:
+    """The first step of ``_chunk_of``'s binary search: the largest power of two below
+    ``n_chunks`` (0 for one chunk)."""
+    return 1 << ((n_chunks - 1).bit_length() - 1) if n_chunks > 1 else 0
+
+
+def apply_grid(st, T: int, write: bool, tiling: Tiling) -> tuple[tuple[int], int]:
+    """Apply's grid and how many of its programs store a write's homed rows. One program per
+    ``tiling.elements`` elements when there is element work (a prepare's slots, exact LRU's
+    appends); in a write, programs for its T rows, ``tiling.rows`` a step; then the persistent
+    workers for the misses and the ring's blocks. Each persistent kind is the GPU's program slots,
+    or fewer when the call cannot have that much work. Sized on the host from the call's shape
+    alone: no read-back."""
+    slots = program_slots(st.ctl.device)
+    element_programs = triton.cdiv(T, tiling.elements) if (not write or st.policy == K.EXACT_LRU) else 0
+    homed_programs = min(triton.cdiv(T, tiling.rows), slots) if write else 0
+    work = triton.cdiv(T, tiling.rows)  # a call moves at most T misses
+    if st.policy == K.EXACT_LRU:  # and, compacting, the ring's blocks
+        work += triton.cdiv(st.q_slot.shape[1], K.CHUNK)
+    return (element_programs + homed_programs + min(work, slots),), homed_programs
+
+
 def apply(
     st,
     g: int,
@@ -618,12 +767,8 @@ def apply(
     if st.CACHE and not aligned_to(fetched, unit):
         fetched = fetched.clone()
     vectors, vecs = vectors_per_row(W, unit)
-    # A chunk's tiles: enough for its elements (a call smaller than a chunk launches fewer).
-    tiles = triton.cdiv(min(T, K.CHUNK), rows_per_tile)
-    programs = triton.cdiv(T, K.CHUNK)
-    if st.policy == K.EXACT_LRU:  # and a program a ring block, should the plan compact the ring
-        programs += triton.cdiv(triton.cdiv(st.q_slot.shape[1], K.CHUNK), tiles)
-    apply_kernel[(programs, tiles)](
+    grid, homed_programs = apply_grid(st, T, write, tiling)
+    apply_kernel[grid](
         sel_ptr=flat,
         T=T,
         owner_ptr=st.owner[g],
@@ -645,6 +790,8 @@ def apply(
         layer0=layers.start,
         slot_of_ptr=scratch.slot_of,
         group_row_bytes=len(layers) * st.gpu_data.shape[-1],
+        search_step=search_step(triton.cdiv(T, K.CHUNK)),
+        homed_programs=homed_programs,
         **st.group_kwargs(g),
         **scratch.kernel_kwargs(),
         WRITE=write,

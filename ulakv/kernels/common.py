@@ -36,7 +36,8 @@ E_RING_BLOCKS = tl.constexpr(14)  # exact LRU: ring blocks this call compacts (0
 E_RING_AT = tl.constexpr(15)  # ... the ring index where block 0's first live pair would land
 E_RING_DROPPED = tl.constexpr(16)  # ... live pairs before the new head (victims, hits appended again)
 E_ROUND_BUCKET = tl.constexpr(17)  # PB-LRU: the bucket of the group's current round (round % R)
-CTL_WORDS = 18
+E_MISSES = tl.constexpr(18)  # misses the plan moves (the chunks' summed): apply's workers stride over them
+CTL_WORDS = 19
 CTL_BLOCK = tl.constexpr(32)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.

@@ -10,6 +10,13 @@ module counts the operations each program issues::
     with count_memory_ops() as launches:
         pool.prepare(group, topk)
     critical_path(launches)  # sum over launches of the busiest program's operations
+    critical_path(launches, slots=GPU_PROGRAM_SLOTS)  # the same, launches run in waves
+
+A launch with more programs than the GPU holds at once runs in waves: its programs share the SMs'
+program slots, so it lasts at least its programs' operations divided by the slots, however short
+its busiest program. ``Launch.length(slots)`` is the larger of the two (a list schedule of
+independent programs ends within one busiest program of that bound). It is what compares a grid
+sized by the call with a persistent grid sized by the machine, whose programs stride over the work.
 
 Counting patches the interpreter's builder for the duration of the block (one block at a time).
 Only the outermost builder call of an operation counts: the interpreter builds an unmasked load or
@@ -27,6 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._triton import INTERPRETED
+from .grid import GPU_PROGRAM_SLOTS
+
+__all__ = ["GPU_PROGRAM_SLOTS", "Launch", "count_memory_ops", "critical_path"]
 
 # The builder calls that issue a memory operation: loads, stores, atomics (read-modify-write, CAS).
 _MEMORY_OPS = (
@@ -61,10 +71,18 @@ class Launch:
     def total(self) -> int:
         return sum(self.per_program.values())
 
+    def length(self, slots: int | None = None) -> int:
+        """The launch's length in dependent steps: its busiest program, or with ``slots`` program
+        slots, its programs' operations shared by the slots if that is longer (waves)."""
+        if slots is None:
+            return self.busiest
+        return max(self.busiest, -(-self.total // slots))
 
-def critical_path(launches: list[Launch]) -> int:
-    """Sum over the launches of their busiest program's operations."""
-    return sum(launch.busiest for launch in launches)
+
+def critical_path(launches: list[Launch], slots: int | None = None) -> int:
+    """Sum over the launches of their lengths: the busiest program's operations, or with ``slots``
+    the wave-aware length (:meth:`Launch.length`)."""
+    return sum(launch.length(slots) for launch in launches)
 
 
 @contextmanager

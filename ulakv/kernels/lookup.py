@@ -40,6 +40,7 @@ from . import buckets, round_end
 from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
+from .grid import program_slots
 from .victims import (
     PLAN_LANES,
     SEG_WORDS,
@@ -269,8 +270,8 @@ def classify_kernel(
         # Victims past the free slots are the oldest live, unprotected ring pairs. Program p lists
         # those among ring positions head + p * CHUNK .. + CHUNK (the hits' marks are all in since
         # the claim); the planning program only sums the lists and finds where the victims end.
-        # When the call compacts the ring, every program (the launch has one a ring block) also
-        # packs its block's live pairs for apply to copy into place (``ulakv.kernels.victims``).
+        # When the call compacts the ring, the programs also pack the ring's blocks' live pairs, a
+        # block each in turn, for apply to copy into place (``ulakv.kernels.victims``).
         head = tl.load(gctl_ptr + K.G_HEAD)
         tail = tl.load(gctl_ptr + K.G_TAIL)
         if WRITE:
@@ -297,7 +298,18 @@ def classify_kernel(
         n = tl.sum(eligible.to(tl.int64), axis=0)
         store_segment(seg_ptr, pid, pid.to(tl.int64) * CHUNK, n, n_clean, pid < chunks)
         if compacting:
-            ring_block_scan(pid, live, s, qv, ring_ptr, ring_blocks_ptr, CHUNK)
+            # Ring blocks pid, pid + P, ... up to the tail: the launch has the GPU's program slots
+            # at most, not a program a block (2,048 at a million slots).
+            blocks = (tail - head + CHUNK - 1) // CHUNK
+            if pid < blocks:
+                ring_block_scan(pid, live, s, qv, ring_ptr, ring_blocks_ptr, CHUNK)
+            b = pid.to(tl.int64) + tl.num_programs(0)
+            while b < blocks:
+                live, s, qv = ring_live(
+                    head, b * CHUNK + tl.arange(0, CHUNK), tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr
+                )
+                ring_block_scan(b, live, s, qv, ring_ptr, ring_blocks_ptr, CHUNK)
+                b += tl.num_programs(0)
     else:
         # -- candidates: this program's ranges of CHUNK slots, in every bucket a victim may come from
         # Victims past the free slots are the cold bucket's slots, then each ring bucket's oldest
@@ -393,13 +405,12 @@ CLASSIFY_WARPS = {K.EXACT_LRU: 8, K.PBLRU: 16}
 
 
 def classify_programs(st, T: int) -> int:
-    """The classify launch's programs: one a chunk of the selection, and at least one a ring block
-    (exact LRU: a compacting call scans the whole ring) or a range of CHUNK slots (PB-LRU: none
-    lists more than one range)."""
-    programs = triton.cdiv(T, K.CHUNK)
-    if st.policy == K.PBLRU:
-        return max(programs, triton.cdiv(st.gpu_slots, K.CHUNK))
-    return max(programs, triton.cdiv(st.q_slot.shape[1], K.CHUNK))
+    """The classify launch's programs: one a chunk of the selection, and as many as the GPU holds
+    at once (or fewer, when there are fewer) for the pool-wide lists: ring blocks (exact LRU: a
+    compacting call scans the ring up to its tail) or ranges of CHUNK slots (PB-LRU), each program
+    taking every P-th."""
+    blocks = st.gpu_slots if st.policy == K.PBLRU else st.q_slot.shape[1]
+    return max(triton.cdiv(T, K.CHUNK), min(triton.cdiv(blocks, K.CHUNK), program_slots(st.ctl.device)))
 
 
 def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int) -> int:
@@ -549,7 +560,7 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
             list_segment(chunk, chunk * C, slots)
         tail = int(gctl[int(K.G_TAIL)])
         if ring_compaction_due_reference(head, tail, T, G, st.q_slot.shape[1]):
-            for b in range(classify_programs(st, T)):  # every program packs its ring block
+            for b in range(-(-(tail - head) // C)):  # the ring's blocks up to its tail, packed
                 pairs = ring_live_reference(st, g, head + b * C, min(tail, head + (b + 1) * C))
                 packed = [(s << 32) | (v & 0xFFFFFFFF) for s, v in pairs]
                 scratch.ring[b * C : b * C + len(packed)] = torch.tensor(packed, dtype=torch.int64)

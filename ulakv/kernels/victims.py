@@ -38,7 +38,7 @@ misses. Measured by ``benchmarks/critical_path.py``: a prepare's busiest program
    slots pops a row (for its victim, or for itself in a write that found no slot). Either way a
    victim never lands in a row someone still lives in.
 4. Exact LRU, a compacting call: running totals of the ring blocks' live pairs, and the compacted
-   ring's tail and round tail (apply's ring programs copy the pairs into place).
+   ring's tail and round tail (apply's workers copy the pairs into place).
 5. Offsets per chunk so the apply kernel can work in parallel without atomics and still
    deterministically: where each chunk's misses start in the victim list, where its touches are
    appended to the queue, and its rank among the CPU rows freed by misses that came from the CPU.
@@ -78,7 +78,7 @@ def _ring_candidates(head, off, limit, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mar
 # program walking it: each classify program scans one block of CHUNK ring positions from the head
 # and packs its live pairs into the call scratch (``ring_block_scan``); the planning program turns
 # the blocks' counts into running totals (one BLOCK step per million ring pairs) and the new tail;
-# each of apply's ring programs copies one block's pairs to their places (``ring_block_copy``). The
+# apply's workers copy each block's pairs to their places (``ring_block_copy``). The
 # ring holds 2G pairs and at most G are live (one a slot that holds an entry), and a call appends
 # at most min(T, G) (a pair a distinct slot it hits or fills): the classify programs scan when a
 # call's elements could overflow the ring as it began, and the call compacts when the appends it
@@ -567,7 +567,7 @@ def victims_program(
         # a prepare's round end runs across the grid in the launch after this one: round_end.)
 
         # -- make room for this call's appends: the live pairs past the new head, compacted -------
-        # (the classify programs packed each block's; apply's ring programs copy them into place)
+        # (the classify programs packed each block's; apply's workers copy them into place)
         ring_blocks = tl.zeros((), dtype=tl.int64)
         ring_at = tl.zeros((), dtype=tl.int64)
         dropped = tl.zeros((), dtype=tl.int64)
@@ -600,7 +600,7 @@ def victims_program(
                     in_round = _live_before(
                         round_tail, head0, tail, ring_blocks_ptr, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, CHUNK
                     )
-                # (a ring index once here, so that apply's ring programs take no remainder)
+                # (a ring index once here, so that apply's workers take no remainder)
                 ring_at = (head - dropped) % Qcap
                 round_reads = tail - head0  # the policy's upkeep: ring pairs the blocks scanned
                 tail = head + live - dropped
@@ -666,10 +666,11 @@ def victims_program(
         if POLICY == K.PBLRU:
             round_bucket = rnd % R
         plan = tl.where(cw == K.E_ROUND_BUCKET, round_bucket, plan)
+        plan = tl.where(cw == K.E_MISSES, M, plan)
         planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE)
         planned = planned | (cw == K.E_SEGMENTS) | (cw == K.E_FILL) | (cw == K.E_POPS)
         planned = planned | (cw == K.E_RING_BLOCKS) | (cw == K.E_RING_AT) | (cw == K.E_RING_DROPPED)
-        planned = planned | (cw == K.E_ROUND_BUCKET)
+        planned = planned | (cw == K.E_ROUND_BUCKET) | (cw == K.E_MISSES)
         tl.store(ctl_ptr + cw, plan, mask=planned)
 
         # Counters, in one load and one store of the words that change. Evictions' bytes out are
@@ -840,6 +841,7 @@ def victims_reference(
         ctl[int(K.E_RING_AT)] = ring_at
         ctl[int(K.E_RING_DROPPED)] = dropped
         ctl[int(K.E_ROUND_BUCKET)] = int(gctl[int(K.G_ROUND)]) % bitmaps.R if bitmaps is not None else 0
+        ctl[int(K.E_MISSES)] = M
         # The lists, read as the kernels read them, give the policy's victims in its order.
         listed = victim_slots(scratch, ctl.tolist(), torch.arange(k_free, V)).tolist()
         assert listed == victims[k_free:], (
