@@ -17,7 +17,8 @@ import torch
 
 from .address_space import LogicalAllocator, Sequence
 from .config import PoolConfig
-from .errors import InvalidAddressError, InvalidInputError, UlakvError
+from .errors import CapacityError, InvalidAddressError, InvalidInputError, UlakvError
+from .kernels import common as K
 
 
 def debug_enabled() -> bool:
@@ -32,6 +33,24 @@ def validates(config: PoolConfig, debug: bool) -> bool:
     if config.validate is not None and not debug:
         return config.validate
     return debug or config.torch_device.type == "cpu"
+
+
+def refusal(
+    what: str, status: int, *, bad_address: str, too_large: str, full: str = "", home_limit: str = ""
+) -> UlakvError:
+    """The error a refused call's status word stands for (the ``ST_*`` bits of
+    ``kernels/common.py``), by the first bit set of: a bad address, a duplicate in a write, more
+    addresses live than the pool holds, a selection over the pool's bound, one over a home's share
+    (a striped pool). Each pool kind says what its limits are (``bad_address`` and the others:
+    the words after ``what:``); every message ends by saying nothing changed."""
+    if status & int(K.ST_BAD_ADDRESS):
+        return InvalidAddressError(f"{what}: {bad_address}; nothing changed")
+    if status & int(K.ST_DUPLICATE):
+        return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
+    for bit, words in ((K.ST_FULL, full), (K.ST_TOO_LARGE, too_large), (K.ST_HOME_LIMIT, home_limit)):
+        if status & int(bit) and words:
+            return CapacityError(f"{what}: {words}; nothing changed")
+    return UlakvError(f"{what}: failed with status {status}; nothing changed")
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import PoolConfig, Striped, Tiered
 from ..deferred import DeferredStatus
-from ..errors import CapacityError, CollectiveError, InvalidAddressError, InvalidInputError, UlakvError
-from ..frame import PoolFrame, Selection, debug_enabled, validates
+from ..errors import CollectiveError, InvalidAddressError, InvalidInputError, UlakvError
+from ..frame import PoolFrame, Selection, debug_enabled, refusal, validates
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import release as release_mod
@@ -374,39 +374,39 @@ class StripedPool(PoolFrame):
 
     def _status_error(self, what: str, status: int, census: Census | None) -> UlakvError:
         lay: Striped = self.config.layout
-        if status & int(K.ST_BAD_ADDRESS):
-            return InvalidAddressError(
-                f"{what}: addresses out of range [0, {self.capacity}) or not live; nothing changed"
+        return refusal(
+            what,
+            status,
+            bad_address=f"addresses out of range [0, {self.capacity}) or not live",
+            too_large=(
+                f"more distinct addresses than the {lay.max_selection} a striped prepare may select "
+                "(buffer_slots)"
+            ),
+            home_limit=self._home_limit_words(census) if status & int(K.ST_HOME_LIMIT) else "",
+        )
+
+    def _home_limit_words(self, census: Census | None) -> str:
+        """Why a call went over a home's share: the rank and count when the census is at hand."""
+        lay: Striped = self.config.layout
+        if census is None:
+            carries = f", or more of them missing the buffer than a fetch carries ({lay.fetch_width})"
+            fetch = "" if self.local else carries
+            return (
+                "more distinct addresses homed on one rank than its slice may bring in at once "
+                f"({lay.per_home_selection}){fetch}"
             )
-        if status & int(K.ST_DUPLICATE):
-            return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
-        if status & int(K.ST_TOO_LARGE):
-            return CapacityError(
-                f"{what}: more distinct addresses than the {lay.max_selection} a striped prepare may "
-                "select (buffer_slots); nothing changed"
+        distinct, missing = census.distinct.tolist(), census.missing.tolist()
+        worst = max(range(self.world), key=lambda r: distinct[r])
+        if distinct[worst] > lay.per_home_selection:
+            return (
+                f"{distinct[worst]} distinct addresses homed on rank {worst}, more than the "
+                f"{lay.per_home_selection} its slice may bring in at once (inner max_selection)"
             )
-        if status & int(K.ST_HOME_LIMIT):
-            if census is None:
-                carries = f", or more of them missing the buffer than a fetch carries ({lay.fetch_width})"
-                fetch = "" if self.local else carries
-                return CapacityError(
-                    f"{what}: more distinct addresses homed on one rank than its slice may bring in at once "
-                    f"({lay.per_home_selection}){fetch}; nothing changed"
-                )
-            distinct, missing = census.distinct.tolist(), census.missing.tolist()
-            worst = max(range(self.world), key=lambda r: distinct[r])
-            if distinct[worst] > lay.per_home_selection:
-                return CapacityError(
-                    f"{what}: {distinct[worst]} distinct addresses homed on rank {worst}, more than the "
-                    f"{lay.per_home_selection} its slice may bring in at once (inner max_selection); "
-                    "nothing changed"
-                )
-            worst = max(range(self.world), key=lambda r: missing[r])
-            return CapacityError(
-                f"{what}: {missing[worst]} addresses homed on rank {worst} miss the buffer, more than the "
-                f"{lay.fetch_width} rows a fetch carries from one rank (fetch_rows); nothing changed"
-            )
-        return UlakvError(f"{what}: failed with status {status}; nothing changed")
+        worst = max(range(self.world), key=lambda r: missing[r])
+        return (
+            f"{missing[worst]} addresses homed on rank {worst} miss the buffer, more than the "
+            f"{lay.fetch_width} rows a fetch carries from one rank (fetch_rows)"
+        )
 
     def _check_usable(self) -> None:
         if self._broken is not None:

@@ -16,8 +16,8 @@ import torch
 from ..address_space import UNHOMED, EngineAddresses, LogicalAllocator, Sequence, addresses_on, runs_of
 from ..config import PoolConfig, Replicated
 from ..deferred import DeferredStatus
-from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError, UlakvError
-from ..frame import PoolFrame, Selection, debug_enabled, validates
+from ..errors import InvalidAddressError, InvalidInputError, InvariantError, UlakvError
+from ..frame import PoolFrame, Selection, debug_enabled, refusal, validates
 from ..invariants import PlanSnapshot, check_invariants, check_plan, snapshot_plan
 from ..kernels import common as K
 from ..kernels import engine_addresses as engine_mod
@@ -463,37 +463,27 @@ class TieredPool(PoolFrame):
             raise self._status_error(what, status, plan)
 
     def _status_error(self, what: str, status: int, plan: TransferPlan | None) -> UlakvError:
-        if status & int(K.ST_BAD_ADDRESS):
-            detail = ""
-            if plan is not None:
-                flat = plan.addresses
-                bad = (plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
-                offenders = flat[bad][:5].tolist()
-                detail = f": {offenders}"
-            state = "not live"
-            if what == "admit_addresses":
-                state = "live already"
-            elif what.startswith("an earlier") and self._engine is not None:
-                state = "not live (admit_addresses: live already)"
-            return InvalidAddressError(
-                f"{what}: addresses out of range [0, {self.address_space}) or {state}{detail}; "
-                "nothing changed"
-            )
-        if status & int(K.ST_DUPLICATE):
-            return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
-        if status & int(K.ST_FULL):
-            return CapacityError(
-                f"{what}: more than the {self.capacity} addresses the pool holds would be live; "
-                "nothing changed"
-            )
-        if status & int(K.ST_TOO_LARGE):
-            layout = self._storage.layout
-            return CapacityError(
-                f"{what}: the selection has more distinct addresses than the {layout.max_selection} a "
-                f"prepare may select (gpu_slots {layout.gpu_slots}, staging_slots {layout.cpu_staging}); "
-                "nothing changed"
-            )
-        return UlakvError(f"{what}: failed with status {status}; nothing changed")
+        detail = ""
+        if status & int(K.ST_BAD_ADDRESS) and plan is not None:
+            flat = plan.addresses
+            bad = (plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
+            detail = f": {flat[bad][:5].tolist()}"
+        state = "not live"
+        if what == "admit_addresses":
+            state = "live already"
+        elif what.startswith("an earlier") and self._engine is not None:
+            state = "not live (admit_addresses: live already)"
+        layout = self._storage.layout
+        return refusal(
+            what,
+            status,
+            bad_address=f"addresses out of range [0, {self.address_space}) or {state}{detail}",
+            full=f"more than the {self.capacity} addresses the pool holds would be live",
+            too_large=(
+                f"the selection has more distinct addresses than the {layout.max_selection} a "
+                f"prepare may select (gpu_slots {layout.gpu_slots}, staging_slots {layout.cpu_staging})"
+            ),
+        )
 
     def _check_live(self, what: str, addrs: torch.Tensor) -> None:
         in_range = (addrs >= 0) & (addrs < self.address_space)
