@@ -73,6 +73,12 @@ GPU_TILING = Tiling(rows=8, elements=256)
 INTERPRETER_TILING = Tiling(rows=64, elements=K.CHUNK)
 TILING = INTERPRETER_TILING if INTERPRETED else GPU_TILING
 APPLY_WARPS = 8
+# The most registers a thread of a tier's apply may take: 128 at 8 warps keeps 16 warps an SM
+# resident. Left to itself ptxas traded registers for occupancy and spilled (16-40 B in one variant
+# or another as the code changed: 80 registers and 16 B in the byte-row write). Given this bound it
+# spills nothing and takes up to it. A buffer's variants (no victims to copy out) take 48-64 and 32-40
+# resident warps unbounded, so they keep that.
+APPLY_REGISTERS = 128
 
 ALL_PHASES = (int(K.PH_OUT), int(K.PH_COMMIT))
 
@@ -81,6 +87,85 @@ ALL_PHASES = (int(K.PH_OUT), int(K.PH_COMMIT))
 # padding); past that it searches (``_chunk_of``: a load a halving, 10 at 768 chunks). 8 chunks
 # spilled 24 B in the byte-row variants (128 registers).
 CHUNKS_AHEAD = tl.constexpr(4)
+
+
+class Rows(NamedTuple):
+    """A group's rows as apply moves them: the pool's GPU and CPU rows from the group's first layer,
+    a layer's stride in each (int64), vectors a row, the group's layers."""
+
+    gpu: tl.tensor
+    cpu: tl.tensor
+    gpu_stride: tl.tensor
+    cpu_stride: tl.tensor
+    n_vec: tl.tensor
+    layers: tl.tensor
+
+
+class Homes(NamedTuple):
+    """Group g's words that a miss's move rewrites: the mapping, each GPU slot's owner, the CPU
+    free list (ring and each row's place in it), each CPU row's GPU slot and each slot's CPU row
+    (copies), and the tiers' sizes."""
+
+    mapping: tl.tensor
+    owner: tl.tensor
+    cpu_free: tl.tensor
+    cpu_pos: tl.tensor
+    copy_slot: tl.tensor
+    copy_row: tl.tensor
+    gpu_slots: tl.tensor
+    cpu_rows: tl.tensor
+
+
+class Buckets(NamedTuple):
+    """PB-LRU's bitmaps for group g: words, words a bucket, level starts, levels, slot stamps,
+    buckets."""
+
+    bits: tl.tensor
+    words: tl.tensor
+    levels: tl.tensor
+    n_levels: tl.tensor
+    stamp: tl.tensor
+    R: tl.tensor
+
+
+class PlanWords(NamedTuple):
+    """The plan's words a worker reads, taken out of ``ctl`` once (scalars, not the 32-lane vector,
+    stay live across its loop): misses into free slots, misses with a GPU slot, candidate segments
+    summed, whether clean victims fill, CPU rows popped, where freed rows join the free list."""
+
+    k_free: tl.tensor
+    victims: tl.tensor
+    segments: tl.tensor
+    fill: tl.tensor
+    pops: tl.tensor
+    push_base: tl.tensor
+
+
+class MissTile(NamedTuple):
+    """``ROWS`` of the call's misses and what the plan decided for each: index ``j`` among the
+    misses (``live``: it exists), its chunk, position and address, source home, GPU slot ``v``
+    (``has_slot``), whether it pops a CPU row (``popping``: past the free slots) and which
+    (``cpu_row``), clean victims before it, whether its victim fills, and the victim's copy, whether
+    it goes back there (``back``), moves no bytes (``clean``), and its CPU row afterwards
+    (``dest``)."""
+
+    j: tl.tensor
+    live: tl.tensor
+    chunk: tl.tensor
+    first: tl.tensor
+    pos: tl.tensor
+    address: tl.tensor
+    src: tl.tensor
+    has_slot: tl.tensor
+    v: tl.tensor
+    popping: tl.tensor
+    cpu_row: tl.tensor
+    before: tl.tensor
+    fills: tl.tensor
+    copy: tl.tensor
+    back: tl.tensor
+    clean: tl.tensor
+    dest: tl.tensor
 
 
 @triton.jit
@@ -120,11 +205,11 @@ def _chunk_ahead(j, live, c_last, first_last, chunk_off_ptr, n_chunks, AHEAD: tl
 @triton.jit
 def _miss_tile(
     j,
-    mm,
+    live,
     c_last,
     first_last,
-    k_free,
-    V,
+    plan,
+    homes,
     sel_ptr,
     home_ptr,
     miss_pos_ptr,
@@ -135,30 +220,175 @@ def _miss_tile(
     popped_ptr,
     cand_ptr,
     seg_ptr,
-    segments,
-    fill,
+    copy_depth_ptr,
     CHUNK: tl.constexpr,
     AHEAD: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
-    """The call's misses ``j`` (``mm``: those that exist), which lie in chunk ``c_last`` (whose
-    first miss is ``first_last``) or later: chunk and its first miss, position, address, source
-    home, GPU slot (if any), whether its victim fills (the plan counted it clean and fills: it pops
-    no row), how many victims before it are clean, and the popped CPU row that receives the victim
-    (or the entry itself, with no slot)."""
-    c, first, beyond = _chunk_ahead(j, mm, c_last, first_last, chunk_off_ptr, n_chunks, AHEAD)
+    """The call's misses ``j`` (``live``: those that exist), which lie in chunk ``c_last`` (whose
+    first miss is ``first_last``) or later, with what the plan decided for each (``MissTile``)."""
+    k_free = plan.k_free
+    fill = plan.fill
+    c, first, beyond = _chunk_ahead(j, live, c_last, first_last, chunk_off_ptr, n_chunks, AHEAD)
     if beyond:
-        c, first = _chunk_of(j, mm, chunk_off_ptr, n_chunks, search_step)
-    p = tl.load(miss_pos_ptr + c * CHUNK + (j - first), mask=mm, other=0)
-    a = tl.load(sel_ptr + p, mask=mm, other=0).to(tl.int64)
-    src = tl.load(home_ptr + p, mask=mm, other=0)
-    has_slot = mm & (j < V)
-    v, clean, before = victim_slot(j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK)
-    popping = mm & (j >= k_free)  # misses past the free slots evict, or get a CPU row themselves
+        c, first = _chunk_of(j, live, chunk_off_ptr, n_chunks, search_step)
+    p = tl.load(miss_pos_ptr + c * CHUNK + (j - first), mask=live, other=0)
+    a = tl.load(sel_ptr + p, mask=live, other=0).to(tl.int64)
+    src = tl.load(home_ptr + p, mask=live, other=0)
+    has_slot = live & (j < plan.victims)
+    v, clean, before = victim_slot(j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, plan.segments, CHUNK)
+    popping = live & (j >= k_free)  # misses past the free slots evict, or get a CPU row themselves
     # Filling, clean victims pop nothing: the others pop the top rows in order.
     fills = tl.where(clean, fill, 0) != 0
     takes_row = popping & ~fills
     cpu_row = tl.load(popped_ptr + pop_index_jit(j, k_free, before, fill), mask=takes_row, other=0)
-    return c, first, p, a, src, has_slot, v, fills, before, popping, cpu_row
+
+    # A victim whose entry came in from a CPU row that still holds its bytes (a free row, its copy)
+    # goes back there with no copy: a *clean* eviction. When the plan fills, the victims it
+    # counted clean pop nothing (``fills``). Every other victim popped a row; it goes back to its
+    # copy all the same (``back``) when the copy is intact and no pop of the call took it: it lies
+    # deeper than the call's pops (as the call began: the classify took the depth), or it is the
+    # row the victim popped itself. Its popped row then takes the copy's place. The words read
+    # here change only at commit, or by a pop of that very copy, which rules it out anyway: every
+    # phase of every launch of this plan decides the same (``TransferPlan.describe`` decides alike).
+    copy = tl.full(j.shape, -1, tl.int32)
+    back = has_slot & (copy >= 0)
+    if not CACHE:  # a buffer's victims live on their home rank: no copies
+        copy = tl.load(homes.copy_row + v, mask=has_slot & popping, other=-1)
+        back = popping & ~fills & (copy >= 0)
+        back = back & (tl.load(homes.copy_slot + copy, mask=back, other=-1) == v)
+        deep = tl.load(copy_depth_ptr + v, mask=back, other=0) >= plan.pops
+        back = back & (deep | (copy == cpu_row))
+    clean = fills | back  # no bytes move
+    dest = tl.where(clean, copy, cpu_row)  # the victim's CPU row
+    return MissTile(
+        j, live, c, first, p, a, src, has_slot, v, popping, cpu_row, before, fills, copy, back, clean, dest
+    )
+
+
+@triton.jit
+def _out(t, rows, owner_ptr, VECS: tl.constexpr, UNIT: tl.constexpr, UNIT_BYTES: tl.constexpr):
+    """Phase ``out`` (data): each victim's rows, every layer of the group, to the CPU row it popped,
+    unless it is clean."""
+    vm = (tl.arange(0, VECS) < rows.n_vec)[None, :, None]  # a row's vectors (a power-of-two axis)
+    old = tl.load(owner_ptr + t.v, mask=t.has_slot & t.popping, other=-1)
+    evict = (t.has_slot & t.popping & (old >= 0) & ~t.clean)[:, None, None] & vm
+    v2, _ = unit_offsets(t.v.to(tl.int64), rows.n_vec, VECS, UNIT)
+    dest2, _ = unit_offsets(t.cpu_row.to(tl.int64), rows.n_vec, VECS, UNIT)
+    for layer in range(rows.layers):
+        row = load_units(rows.gpu + layer * rows.gpu_stride, v2, evict, UNIT, UNIT_BYTES)
+        store_units(rows.cpu + layer * rows.cpu_stride, dest2, row, evict, UNIT, UNIT_BYTES)
+
+
+@triton.jit
+def _evict(t, homes, stats_ptr, group_row_bytes, CACHE: tl.constexpr):
+    """Phase ``evict`` (mapping): victims now live in their CPU rows (a buffer's: back on their
+    home rank), their slots are unowned, bytes out and clean evictions counted."""
+    old = tl.load(homes.owner + t.v, mask=t.has_slot & t.popping, other=-1)
+    evict = t.has_slot & t.popping & (old >= 0)
+    if CACHE:  # dropped: the entry lives on its home rank, not here
+        tl.store(homes.mapping + old, tl.full(t.j.shape, K.M_UNHOMED, tl.int32), mask=evict)
+    else:
+        tl.store(homes.mapping + old, homes.gpu_slots + t.dest, mask=evict)
+        # A row that becomes a home copies nothing (the slot's own word is rewritten at commit,
+        # before any other call can read it).
+        tl.store(homes.copy_slot + t.dest, tl.full(t.j.shape, -1, tl.int32), mask=t.popping)
+        # A clean victim's row leaves the free list from wherever it sat. When it popped a row,
+        # that row, unused, takes its place (when it fills, commit puts its miss's row there).
+        refill = evict & t.back & (t.copy != t.cpu_row)
+        hole = tl.load(homes.cpu_pos + t.copy, mask=refill, other=0)
+        tl.store(homes.cpu_free + hole, t.cpu_row, mask=refill)
+        tl.store(homes.cpu_pos + t.cpu_row, hole, mask=refill)
+        # Bytes out (the copies) and clean evictions, in one two-lane atomic.
+        pair = tl.arange(0, 2)
+        n_clean = tl.sum((evict & t.clean).to(tl.int64), axis=0)
+        n_dirty = tl.sum((evict & ~t.clean).to(tl.int64), axis=0)
+        added = tl.where(pair == 0, n_dirty * group_row_bytes, n_clean)
+        word = tl.where(pair == 0, K.S_BYTES_OUT, K.S_CLEAN)
+        tl.atomic_add(stats_ptr + word, added, mask=added > 0, sem="relaxed")
+    tl.store(homes.owner + t.v, tl.full(t.j.shape, -1, tl.int32), mask=evict)
+
+
+@triton.jit
+def _bring_in(
+    t,
+    rows,
+    G,
+    in_lo,
+    in_hi,
+    new_rows_ptr,
+    write_layer,
+    fetched_ptr,
+    fetch_row_ptr,
+    WRITE: tl.constexpr,
+    CACHE: tl.constexpr,
+    VECS: tl.constexpr,
+    UNIT: tl.constexpr,
+    UNIT_BYTES: tl.constexpr,
+):
+    """Phase ``in`` (data): each miss's rows, layers ``[in_lo, in_hi)`` of the group, into its GPU
+    slot (or, a written entry with no slot, its CPU row): from its CPU home, a buffer's fetched
+    rows, or zeros (never written); a write's own layer from the caller's rows."""
+    vm = (tl.arange(0, VECS) < rows.n_vec)[None, :, None]
+    from_cpu = (t.live & (t.src >= G))[:, None, None] & vm
+    src2, _ = unit_offsets((t.src - G).to(tl.int64), rows.n_vec, VECS, UNIT)
+    to_gpu = t.has_slot[:, None, None] & vm
+    to_cpu = (t.live & ~t.has_slot)[:, None, None] & vm
+    g2, _ = unit_offsets(t.v.to(tl.int64), rows.n_vec, VECS, UNIT)
+    c2, _ = unit_offsets(t.cpu_row.to(tl.int64), rows.n_vec, VECS, UNIT)
+    if WRITE:
+        p2, _ = unit_offsets(t.pos.to(tl.int64), rows.n_vec, VECS, UNIT)
+        new_row = load_units(new_rows_ptr, p2, to_gpu | to_cpu, UNIT, UNIT_BYTES)
+    if CACHE:  # rows fetched from their home ranks, every layer of the group: miss j's is row
+        # fetch_row[j] (an all-gather's output is in home order, not miss order)
+        f_row = tl.load(fetch_row_ptr + t.j, mask=t.has_slot, other=0).to(tl.int64)
+    for layer in range(in_lo, in_hi):
+        if CACHE:
+            f2, _ = unit_offsets(f_row * rows.layers + layer, rows.n_vec, VECS, UNIT)
+            row = load_units(fetched_ptr, f2, to_gpu, UNIT, UNIT_BYTES)
+        else:
+            row = load_units(rows.cpu + layer * rows.cpu_stride, src2, from_cpu, UNIT, UNIT_BYTES)
+        if WRITE:
+            is_written = (tl.zeros(new_row.shape, tl.int32) + layer) == write_layer
+            row = tl.where(is_written, new_row, row)
+        store_units(rows.gpu + layer * rows.gpu_stride, g2, row, to_gpu, UNIT, UNIT_BYTES)
+        if not CACHE:  # a buffer's misses always get a slot (max_selection <= slots)
+            store_units(rows.cpu + layer * rows.cpu_stride, c2, row, to_cpu, UNIT, UNIT_BYTES)
+
+
+@triton.jit
+def _commit(t, homes, plan, chunk_off_ptr, cpu_rank_ptr, CACHE: tl.constexpr):
+    """Phase ``commit`` (mapping): misses live where their rows are; each miss from the CPU leaves
+    its row, now its copy, at the bottom of the free list, at its rank among the call's such misses
+    that do not fill (filling, in its clean victim's copy's place)."""
+    G = homes.gpu_slots
+    tl.store(homes.mapping + t.address, tl.where(t.has_slot, t.v, G + t.cpu_row), mask=t.live)
+    tl.store(homes.owner + t.v, t.address.to(tl.int32), mask=t.has_slot)
+    pushes = t.live & (t.src >= G)
+    if not CACHE:
+        push = plan.push_base - t.before * plan.fill
+        push += tl.load(chunk_off_ptr + t.chunk * K.OFF_WORDS + K.O_PUSH, mask=pushes, other=0)
+        push = K.wrap(push + tl.load(cpu_rank_ptr + t.pos, mask=pushes, other=0), homes.cpu_rows)  # < 2C
+        filling = pushes & t.fills
+        push = tl.where(filling, tl.load(homes.cpu_pos + t.copy, mask=filling, other=0), push)
+        tl.store(homes.cpu_free + push, t.src - G, mask=pushes)
+        tl.store(homes.cpu_pos + t.src - G, push.to(tl.int32), mask=pushes)
+        tl.store(homes.copy_slot + t.src - G, t.v, mask=pushes & t.has_slot)
+        tl.store(homes.copy_row + t.v, tl.where(pushes, t.src - G, -1), mask=t.has_slot)
+
+
+@triton.jit
+def _commit_buckets(t, buckets_of, rnd, rnd_bucket):
+    """Commit under PB-LRU: a slot taken from a bucket leaves it (the round's end is processed: ref
+    is rnd + 1), and every slot that receives an entry joins the current round's bucket (the plan
+    took the round's bucket: a 64-bit remainder is a called routine, whose calling convention
+    spilled live registers here)."""
+    b = buckets_of
+    taken = t.has_slot & t.popping
+    stamp = tl.load(b.stamp + t.v, mask=taken, other=0)
+    bucket = tl.where(rnd + 1 - stamp < b.R, stamp % b.R, b.R).to(tl.int64)
+    buckets.clear_path(b.bits, bucket * b.words, b.levels, b.n_levels, t.v, taken)
+    buckets.place(b.bits, b.words, b.levels, b.n_levels, b.stamp, rnd, rnd_bucket, t.v, t.has_slot)
 
 
 # Not specialised: T, G, Qcap, L (short last group), write_layer, phase and in-layer bounds, layer0 (all
@@ -373,28 +603,39 @@ def apply_kernel(
         workers = tl.num_programs(0) - element_programs - homed_programs
         M = control_word(ctl, K.E_MISSES)
         miss_tiles = (M + ROWS - 1) // ROWS
-        fill = control_word(ctl, K.E_FILL)
-        vm = (tl.arange(0, VECS) < n_vec)[None, :, None]  # a row's vectors (the axis is a power of two)
+        rows = Rows(gpu_ptr, cpu_ptr, gpu_layer_stride, cpu_layer_stride, n_vec, L)
+        homes = Homes(map_ptr, owner_ptr, cpu_free_ptr, cpu_pos_ptr, copy_slot_ptr, copy_row_ptr, G, C)
+        plan = PlanWords(
+            k_free,
+            V,
+            segments,
+            control_word(ctl, K.E_FILL),
+            control_word(ctl, K.E_POPS),
+            control_word(ctl, K.E_PUSH_BASE),
+        )
         rnd = tl.load(gctl_ptr + K.G_ROUND)  # PB-LRU's round (the plan started it)
+        rnd_bucket = control_word(ctl, K.E_ROUND_BUCKET)
+        ring_blocks = control_word(ctl, K.E_RING_BLOCKS)  # exact LRU's compaction (after the loop)
+        ring_at = control_word(ctl, K.E_RING_AT)
+        ring_dropped = control_word(ctl, K.E_RING_DROPPED)
         # Worker w moves the misses' tiles [w * per, (w + 1) * per): consecutive tiles lie in the
         # same chunks or the next ones, so each finds its rows' chunks from the last tile's in one
         # load (a binary search over the chunks when they lie further: a worker's first tile).
         # (in 32 bits: a 64-bit division by a runtime value is a called routine on sm_90)
         per = (miss_tiles.to(tl.int32) + workers - 1) // workers
-        t = worker.to(tl.int64) * per
-        t_end = tl.minimum(t + per, miss_tiles)
+        tile = worker.to(tl.int64) * per
+        tile_end = tl.minimum(tile + per, miss_tiles)
         c_last = tl.zeros((), tl.int64)  # the chunk of the last tile's last miss, and its first miss
         first_last = tl.zeros((), tl.int64)
-        while t < t_end:
-            j = t * ROWS + tl.arange(0, ROWS)
-            mm = j < M
-            c, first, p, a, src, has_slot, v, fills, before, popping, cpu_row = _miss_tile(
+        while tile < tile_end:
+            j = tile * ROWS + tl.arange(0, ROWS)
+            t = _miss_tile(
                 j,
-                mm,
+                j < M,
                 c_last,
                 first_last,
-                k_free,
-                V,
+                plan,
+                homes,
                 sel_ptr,
                 home_ptr,
                 miss_pos_ptr,
@@ -405,144 +646,55 @@ def apply_kernel(
                 popped_ptr,
                 cand_ptr,
                 seg_ptr,
-                segments,
-                fill,
+                copy_depth_ptr,
                 CHUNK,
                 CHUNKS_AHEAD,
+                CACHE,
             )
-            c_last = tl.max(tl.where(mm, c, 0), axis=0)
-            first_last = tl.max(tl.where(mm, first, 0), axis=0)
-
-            # A victim whose entry came in from a CPU row that still holds its bytes (a free row,
-            # its copy) goes back there with no copy: a *clean* eviction. When the plan fills, the
-            # victims it counted clean pop nothing (``fills``). Every other victim popped a row; it
-            # goes back to its copy all the same (``back``) when the copy is intact and no pop of
-            # the call took it: it lies deeper than the call's pops (as the call began: the
-            # classify took the depth), or it is the row the victim popped itself. Its popped row
-            # then takes the copy's place. The words read here change only at commit, or by a pop
-            # of that very copy, which rules it out anyway: every phase of every launch of this
-            # plan decides the same.
-            copy = tl.full((ROWS,), -1, tl.int32)
-            back = has_slot & (copy >= 0)
-            if not CACHE:  # a buffer's victims live on their home rank: no copies
-                copy = tl.load(copy_row_ptr + v, mask=has_slot & popping, other=-1)
-                back = popping & ~fills & (copy >= 0)
-                back = back & (tl.load(copy_slot_ptr + copy, mask=back, other=-1) == v)
-                deep = tl.load(copy_depth_ptr + v, mask=back, other=0) >= control_word(ctl, K.E_POPS)
-                back = back & (deep | (copy == cpu_row))
-            clean = fills | back  # no bytes move
-            dest = tl.where(clean, copy, cpu_row)  # the victim's CPU row
-
-            # -- out: victims' rows, every layer, to their popped CPU rows ------------------------
-            # (a buffer drops its victims: their home is on another rank)
+            c_last = tl.max(tl.where(t.live, t.chunk, 0), axis=0)
+            first_last = tl.max(tl.where(t.live, t.first, 0), axis=0)
+            # Data, mapping, data, mapping (a buffer drops its victims: no out phase).
             if run_out and not CACHE:
-                old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
-                evict = (has_slot & popping & (old >= 0) & ~clean)[:, None, None] & vm
-                v2, _ = unit_offsets(v.to(tl.int64), n_vec, VECS, UNIT)
-                dest2, _ = unit_offsets(cpu_row.to(tl.int64), n_vec, VECS, UNIT)
-                for layer in range(L):
-                    row = load_units(gpu_ptr + layer * gpu_layer_stride, v2, evict, UNIT, UNIT_BYTES)
-                    store_units(cpu_ptr + layer * cpu_layer_stride, dest2, row, evict, UNIT, UNIT_BYTES)
-            tl.debug_barrier()  # data before mapping
-
-            # -- evict: victims now live on the CPU ------------------------------------------------
+                _out(t, rows, owner_ptr, VECS, UNIT, UNIT_BYTES)
+            tl.debug_barrier()  # the victims' rows out before their mapping moves
             if run_evict:
-                old = tl.load(owner_ptr + v, mask=has_slot & popping, other=-1)
-                evict = has_slot & popping & (old >= 0)
-                if CACHE:  # dropped: the entry lives on its home rank, not here
-                    tl.store(map_ptr + old, tl.full((ROWS,), K.M_UNHOMED, tl.int32), mask=evict)
-                else:
-                    tl.store(map_ptr + old, G + dest, mask=evict)
-                    # A row that becomes a home copies nothing (the slot's own word is rewritten
-                    # at commit, before any other call can read it).
-                    tl.store(copy_slot_ptr + dest, tl.full((ROWS,), -1, tl.int32), mask=popping)
-                    # A clean victim's row leaves the free list from wherever it sat. When it
-                    # popped a row, that row, unused, takes its place (when it fills, commit puts
-                    # its miss's row there).
-                    refill = evict & back & (copy != cpu_row)
-                    hole = tl.load(cpu_pos_ptr + copy, mask=refill, other=0)
-                    tl.store(cpu_free_ptr + hole, cpu_row, mask=refill)
-                    tl.store(cpu_pos_ptr + cpu_row, hole, mask=refill)
-                    # Bytes out (the copies) and clean evictions, in one two-lane atomic.
-                    pair = tl.arange(0, 2)
-                    n_clean = tl.sum((evict & clean).to(tl.int64), axis=0)
-                    n_dirty = tl.sum((evict & ~clean).to(tl.int64), axis=0)
-                    added = tl.where(pair == 0, n_dirty * group_row_bytes, n_clean)
-                    word = tl.where(pair == 0, K.S_BYTES_OUT, K.S_CLEAN)
-                    tl.atomic_add(stats_ptr + word, added, mask=added > 0, sem="relaxed")
-                tl.store(owner_ptr + v, tl.full((ROWS,), -1, tl.int32), mask=evict)
-            tl.debug_barrier()
-
-            # -- in: misses' rows, layers [in_lo, in_hi), into their GPU slots --------------------
+                _evict(t, homes, stats_ptr, group_row_bytes, CACHE)
+            tl.debug_barrier()  # the slots unowned before the misses' rows come in
             if run_in:
-                from_cpu = (mm & (src >= G))[:, None, None] & vm
-                src2, _ = unit_offsets((src - G).to(tl.int64), n_vec, VECS, UNIT)
-                to_gpu = has_slot[:, None, None] & vm
-                to_cpu = (mm & ~has_slot)[:, None, None] & vm
-                g2, _ = unit_offsets(v.to(tl.int64), n_vec, VECS, UNIT)
-                c2, _ = unit_offsets(cpu_row.to(tl.int64), n_vec, VECS, UNIT)
-                if WRITE:
-                    p2, _ = unit_offsets(p.to(tl.int64), n_vec, VECS, UNIT)
-                    new_row = load_units(rows_ptr, p2, to_gpu | to_cpu, UNIT, UNIT_BYTES)
-                if CACHE:  # rows fetched from their home ranks, every layer of the group: miss j's
-                    # is row fetch_row[j] (an all-gather's output is in home order, not miss order)
-                    f_row = tl.load(fetch_row_ptr + j, mask=has_slot, other=0).to(tl.int64)
-                for layer in range(in_lo, in_hi):
-                    # An entry with no CPU row yet (never written) starts as zeros.
-                    if CACHE:
-                        f2, _ = unit_offsets(f_row * L + layer, n_vec, VECS, UNIT)
-                        row = load_units(fetched_ptr, f2, to_gpu, UNIT, UNIT_BYTES)
-                    else:
-                        row = load_units(cpu_ptr + layer * cpu_layer_stride, src2, from_cpu, UNIT, UNIT_BYTES)
-                    if WRITE:
-                        is_written = (tl.zeros((ROWS, VECS, UNIT), tl.int32) + layer) == write_layer
-                        row = tl.where(is_written, new_row, row)
-                    store_units(gpu_ptr + layer * gpu_layer_stride, g2, row, to_gpu, UNIT, UNIT_BYTES)
-                    if not CACHE:  # a buffer's misses always get a slot (max_selection <= slots)
-                        store_units(cpu_ptr + layer * cpu_layer_stride, c2, row, to_cpu, UNIT, UNIT_BYTES)
-            tl.debug_barrier()  # data before mapping
-
-            # -- commit: misses live where their rows are; freed CPU rows; PB-LRU's recency -------
+                _bring_in(
+                    t,
+                    rows,
+                    G,
+                    in_lo,
+                    in_hi,
+                    rows_ptr,
+                    write_layer,
+                    fetched_ptr,
+                    fetch_row_ptr,
+                    WRITE,
+                    CACHE,
+                    VECS,
+                    UNIT,
+                    UNIT_BYTES,
+                )
+            tl.debug_barrier()  # the misses' rows in before their mapping moves
             if run_commit:
-                tl.store(map_ptr + a, tl.where(has_slot, v, G + cpu_row), mask=mm)
-                tl.store(owner_ptr + v, a.to(tl.int32), mask=has_slot)
-                # A miss from the CPU leaves its row, a copy of the entry now in its slot, at the
-                # bottom of the free list: at its rank among the call's such misses that do not
-                # fill. Filling, a miss whose victim was clean puts it in that victim's copy's place.
-                pushes = mm & (src >= G)
-                if not CACHE:
-                    push = control_word(ctl, K.E_PUSH_BASE) - before * fill
-                    push += tl.load(chunk_off_ptr + c * K.OFF_WORDS + K.O_PUSH, mask=pushes, other=0)
-                    push = K.wrap(push + tl.load(cpu_rank_ptr + p, mask=pushes, other=0), C)  # < 2C
-                    filling = pushes & fills
-                    push = tl.where(filling, tl.load(cpu_pos_ptr + copy, mask=filling, other=0), push)
-                    tl.store(cpu_free_ptr + push, src - G, mask=pushes)
-                    tl.store(cpu_pos_ptr + src - G, push.to(tl.int32), mask=pushes)
-                    tl.store(copy_slot_ptr + src - G, v, mask=pushes & has_slot)
-                    tl.store(copy_row_ptr + v, tl.where(pushes, src - G, -1), mask=has_slot)
+                _commit(t, homes, plan, chunk_off_ptr, cpu_rank_ptr, CACHE)
                 if POLICY == K.PBLRU:
-                    # A slot taken from a bucket leaves it (the round's end is processed: ref is
-                    # rnd + 1), and every slot that receives an entry joins the current round.
-                    # (the plan took the round's bucket: a 64-bit remainder is a called routine,
-                    # whose calling convention spilled live registers here)
-                    rnd_bucket = control_word(ctl, K.E_ROUND_BUCKET)
-                    taken = has_slot & popping
-                    stamp = tl.load(stamp_ptr + v, mask=taken, other=0)
-                    bucket = tl.where(rnd + 1 - stamp < R, stamp % R, R).to(tl.int64)
-                    buckets.clear_path(bits_ptr, bucket * BW, lvl_ptr, n_levels, v, taken)
-                    buckets.place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, rnd, rnd_bucket, v, has_slot)
-            t += 1
+                    bitmaps = Buckets(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R)
+                    _commit_buckets(t, bitmaps, rnd, rnd_bucket)
+            tile += 1
         if POLICY == K.EXACT_LRU:
             if run_commit:
                 # Ring blocks of a compacting call (commit): a block's live pairs land before any
                 # append (the plan put the new tail after them), and no other program reads or
                 # writes those positions.
                 b = worker.to(tl.int64)
-                while b < control_word(ctl, K.E_RING_BLOCKS):
+                while b < ring_blocks:
                     ring_block_copy(
                         b,
-                        control_word(ctl, K.E_RING_AT),
-                        control_word(ctl, K.E_RING_DROPPED),
+                        ring_at,
+                        ring_dropped,
                         ring_ptr,
                         ring_blocks_ptr,
                         q_slot_ptr,
@@ -804,6 +956,7 @@ def apply(
         UNIT_BYTES=unit * gpu.element_size(),
         CACHE=st.CACHE,
         num_warps=APPLY_WARPS,
+        maxnreg=None if st.CACHE else APPLY_REGISTERS,
     )
     return 1
 

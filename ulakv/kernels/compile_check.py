@@ -214,8 +214,12 @@ def compile_all(arch: int = 90) -> list[Variant]:
             return
         seen.add((name, key))
         attrs = what["configs"][0]
+        # The launch's own options (its maxnreg too, which only the specialisation data carries).
+        launched = json.loads(what["specialization_data"])["options"]
         options = {
-            option: what[option] for option in ("num_warps", "num_stages", "num_ctas") if option in what
+            option: launched[option]
+            for option in ("num_warps", "num_stages", "num_ctas", "maxnreg")
+            if launched.get(option) is not None
         }
         source = ASTSource(fn, what["signature"], what["constants"], attrs)
         kernel = triton.compile(source, target=target, options=options)
