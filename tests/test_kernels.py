@@ -383,3 +383,21 @@ def test_buffer_stages_match_reference(policy) -> None:
                 got = st.gpu_data[layer, int(slots[pos])]
                 assert torch.equal(got, fetched[int(fetch_rows[j]), i]), (step, j, layer)
         check_invariants(st, allocator)
+
+
+def test_pblru_lists_candidates_only_when_a_victim_is_wanted() -> None:
+    """PB-LRU's classify lists the pool's candidates only for a call with misses past the free
+    slots: writes that fit the free slots read no leaf word; the write that overflows them lists
+    every range (plan and apply still equal their references)."""
+    pool = small_pool(
+        gpu_slots=40, cpu_slots=60, bytes_per_layer=4, num_layers=1, layers_per_group=1, policy=PBLRU(3)
+    )
+    gen = torch.Generator().manual_seed(29)
+    seq = pool.admit(90)
+    reads = []
+    for lo, hi in ((0, 25), (25, 40), (40, 90)):  # 25 and 15 fit the 40 free slots; then 50 more
+        before = pool.stats()["victim_search_reads"]
+        run_stagewise(pool, 0, seq.addresses[lo:hi], random_rows(gen, hi - lo, 4), 0)
+        reads.append(pool.stats()["victim_search_reads"] - before)
+    assert reads[:2] == [0, 0] and reads[2] > 0, reads
+    pool.check_invariants()

@@ -321,9 +321,12 @@ def classify_kernel(
             cur = tl.load(gctl_ptr + K.G_ROUND)
         else:
             cur = tl.load(gctl_ptr + K.G_ROUND) + 1
+        # A call whose misses all fit the free slots takes no victim: nothing to list (a write of
+        # new tokens while the GPU tier fills), so the programs past the chunks stop here.
         ranges = (G + CHUNK - 1) // CHUNK
+        listed_ranges = tl.where(pops > 0, ranges, 0)
         cur_bucket = cur % R  # one remainder: the buckets below step from it
-        for q in range(pid, ranges, tl.num_programs(0)):
+        for q in range(pid, listed_ranges, tl.num_programs(0)):
             at = (tl.zeros((), tl.int64) + q) * CHUNK  # the range's first slot, and its list in cand
             slot = at + tl.arange(0, CHUNK)
             valid = slot < G
@@ -569,9 +572,10 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
         bitmaps = PBLRUBits(st, g)
         cur = int(st.gctl[g, int(K.G_ROUND)]) + (0 if write else 1)
         ranges = -(-G // C)
-        if not st.CACHE:  # each range's copies, whatever their bucket: one pass over the range
+        listed_ranges = ranges if pops > 0 else 0  # no victim to take: nothing listed
+        if not st.CACHE and listed_ranges:  # each range's copies, whatever their bucket: one pass
             clean_candidates_reference(st, g, list(range(G)), pops, scratch)
-        for q in range(ranges):
+        for q in range(listed_ranges):
             listed = 0
             for i in range(bitmaps.R):
                 bucket = bitmaps.R if i == 0 else (cur + i) % bitmaps.R

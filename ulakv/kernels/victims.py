@@ -561,7 +561,8 @@ def victims_program(
             head = new_head
         else:
             # PB-LRU's victims stay in their buckets until commit clears them (apply).
-            scanned = listed * (CHUNK // 32)  # leaf words the lists were made from
+            # leaf words the lists were made from (none when no victim was wanted: nothing listed)
+            scanned = tl.where(want > 0, listed * (CHUNK // 32), 0)
         V = k_free + got
         # (PB-LRU: every slot that receives an entry joins the current round's bucket at commit;
         # a prepare's round end runs across the grid in the launch after this one: round_end.)
@@ -786,7 +787,7 @@ def victims_reference(
             for i in range(bitmaps.R):
                 bucket = bitmaps.R if i == 0 else (rnd + i) % bitmaps.R
                 victims += sorted(bitmaps.sets[bucket])[: M - len(victims)]
-            scanned = listed * (C // 32)
+            scanned = listed * (C // 32) if k_free < M else 0
             bitmaps.store()
         V = len(victims)
         ring_blocks = ring_at = dropped = 0
