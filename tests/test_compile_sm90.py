@@ -21,6 +21,7 @@ KERNELS = [
     "claim_kernel",
     "classify_kernel",
     "compact_kernel",
+    "decide_kernel",
     "engine_addresses_kernel",
     "gather_kernel",
     "mark_live_kernel",

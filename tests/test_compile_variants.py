@@ -312,6 +312,7 @@ def test_no_new_kernel_variant_after_the_first_step(report: dict) -> None:
     assert met == {
         "claim_kernel",
         "classify_kernel",
+        "decide_kernel",
         "apply_kernel",
         "gather_kernel",
         "release_kernel",

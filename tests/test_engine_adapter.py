@@ -77,11 +77,11 @@ def selection(rng: random.Random, seqs, batch: int, queries: int, k: int) -> tor
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru4"])
 @pytest.mark.parametrize(
-    ("batch", "prefetch", "bound"), [(1, True, 4), (3, True, 4), (37, True, 4), (37, False, 3)]
+    ("batch", "prefetch", "bound"), [(1, True, 5), (3, True, 5), (37, True, 5), (37, False, 4)]
 )
 def test_group_step_launches_do_not_grow_with_batch(policy, batch, prefetch, bound) -> None:
-    """Per group-step: claim, classify + plan, apply (3); with the prefetch split, apply's first
-    layer and the rest are two launches (4); PB-LRU's round end is one more, before apply.
+    """Per group-step: claim, classify + plan, decide, apply (4); with the prefetch split, apply's
+    first layer and the rest are two launches (5); PB-LRU's round end is one more, before decide.
     37 x 2 x 16 = 1184 elements spans two chunks."""
     pool, kv = engine(policy, gpu=1200, cpu=600, max_batch=37, top_k=16, queries=2, prefetch=prefetch)
     seqs, _ = fill(pool, kv, requests=6, tokens=300)
@@ -94,7 +94,8 @@ def test_group_step_launches_do_not_grow_with_batch(policy, batch, prefetch, bou
         round_end = ["round_end_kernel"] * (str(policy).startswith("PBLRU"))
         assert (
             names
-            == ["claim_kernel", "classify_kernel", *round_end, "apply_kernel"] + ["apply_kernel"] * split
+            == ["claim_kernel", "classify_kernel", *round_end, "decide_kernel", "apply_kernel"]
+            + ["apply_kernel"] * split
         )
         assert len(names) <= bound + len(round_end)
 

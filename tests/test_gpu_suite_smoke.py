@@ -43,7 +43,7 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
     cases = {(row["case"], row["policy"]) for row in results["prepare"]}
     # claim, classify, apply; PB-LRU's round end between the last two
     launches = {row["policy"]: row["launches"] for row in results["prepare"]}
-    assert len(cases) == 4 and launches == {"ExactLRU()": 3, "PBLRU(num_buckets=8)": 4}, launches
+    assert len(cases) == 4 and launches == {"ExactLRU()": 4, "PBLRU(num_buckets=8)": 5}, launches
     assert all(row["victims_per_step"] == 0 for row in results["prepare"] if row["case"] == "fits")
     assert all({"gpu_us", "longest_kernel"} <= row.keys() for row in results["prepare"])
     widths = results["vector_widths"]

@@ -22,6 +22,7 @@ from ulakv.errors import InvariantError
 from ulakv.invariants import check_invariants
 from ulakv.kernels import common as K
 from ulakv.kernels.buckets import PBLRUBits
+from ulakv.kernels.decide import decide_reference
 from ulakv.kernels.victims import plant_victim
 from ulakv.layouts.tiered_state import REFERENCE, TRITON, Kernels
 from ulakv.transfer import Phase, PlanInterrupted, interrupt_after
@@ -227,6 +228,7 @@ def corrupting(choose) -> Kernels:
         assert k_free < V, "the scenario must evict"
         j, new = choose(st, g, scratch, sel.numel(), k_free, V)
         old = plant_victim(scratch, st.ctl.tolist(), j, new)
+        decide_reference(st, g, scratch, sel.numel())  # the plan's moves follow its lists
         if st.policy == K.EXACT_LRU:
             keep_in_lru_order(st, g, old)
         else:

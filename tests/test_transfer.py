@@ -21,6 +21,7 @@ from ulakv import (
     PoolConfig,
     Tiered,
 )
+from ulakv.kernels import common as K
 from ulakv.transfer import Phase, PlanInterrupted, interrupt_after
 
 G, C, WIDTH, LAYERS, PER_GROUP = 6, 10, 12, 4, 3  # groups of 3 and 1 layers
@@ -150,6 +151,31 @@ def test_plan_is_data() -> None:
     assert torch.equal(plan.slots.long(), moves["gpu_slot"])
     with pytest.raises(InvalidInputError, match="not the pool's latest"):
         pool.run(plan)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+def test_the_run_carries_out_the_plan_it_is_given(policy) -> None:
+    """The plan decides and the run executes: swap two evicting misses' decisions in the plan's
+    columns (slot, popped row, the victim's row, flags) and the run follows the edited plan, as
+    ``describe()`` shows it, with every entry still readable at its home."""
+    pool, addrs, expected = full_pool(policy)
+    sel = cpu_resident(pool, 0, addrs)[:2].reshape(1, 2)
+    plan = pool.plan(0, sel)
+    before = plan.describe()
+    assert (before["victim_row"] >= 0).all(), "both misses should evict: the GPU is full"
+    moves = plan.scratch.moves
+    decided = [int(w) for w in (K.MV_SLOT, K.MV_ROW, K.MV_DEST, K.MV_FLAGS)]
+    moves[decided, :2] = moves[decided, :2].flip(1).clone()
+    edited = plan.describe()
+    assert torch.equal(edited["gpu_slot"], before["gpu_slot"].flip(0))
+    owner = pool._state.owner[0].clone()
+    pool.run(plan)
+    slots = pool.residency(0, sel).view(-1)
+    assert torch.equal(slots[edited["position"]].long(), edited["gpu_slot"])
+    victims = owner[edited["gpu_slot"]]
+    assert torch.equal(pool._state.mapping[0][victims].long() - G, edited["victim_row"])
+    pool.check_invariants()
+    assert_all_readable(pool, addrs, expected)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])

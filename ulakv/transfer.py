@@ -26,7 +26,6 @@ import torch
 
 from .errors import UlakvError
 from .kernels import common as K
-from .kernels.victims import pop_index, victim_cleans, victim_slots
 
 
 class Phase(enum.IntEnum):
@@ -68,10 +67,6 @@ class TransferPlan:
     # The caller's output buffer when the kernels cannot store into it in place (strided, or
     # unaligned): ``slots`` are copied into it as soon as the evict phase has written them.
     out: torch.Tensor | None = None
-    # The group's copy words (``copy_row``, ``copy_slot``) as the plan found them (they change only
-    # at commit): with ``scratch.copy_depth`` and the plan's pops they decide which victims go back
-    # to their copies. ``None`` for a striped buffer, whose victims are dropped.
-    copies: tuple[torch.Tensor, torch.Tensor] | None = None
     applied: int = 0
     layers_in: set[int] = field(default_factory=set)
 
@@ -85,52 +80,27 @@ class TransferPlan:
         return range(start, self.layers.stop)
 
     def describe(self) -> dict[str, torch.Tensor]:
-        """The plan's moves as host tensors, exactly as ``run`` will make them (synchronises; for
-        tests and debugging; before the plan commits): per miss its selection position, address,
-        source home (mapping value), destination GPU slot (-1: none), the CPU row it pops for its
-        victim or itself (``cpu_row``, -1: none), whether its victim goes back to its copy, a free
-        row that still holds its bytes, with no bytes moved (``clean``), and the CPU row its victim's
-        entry lives in afterwards (``victim_row``: the copy when clean, else ``cpu_row``; -1 for a
-        miss into a free slot, one without a slot, or a buffer's dropped victim)."""
-        sc = self.scratch
-        T = self.addresses.numel()
-        chunks = -(-T // K.CHUNK)
-        counts = sc.counts[:chunks, int(K.C_NEED)].cpu().tolist()
-        pos = torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n].cpu() for c, n in enumerate(counts)])
-        pos = pos.to(torch.int64)
+        """The plan's moves as host tensors, read from the plan itself (``ulakv.kernels.decide``):
+        exactly what ``run`` will do (synchronises; for tests and debugging; before the plan
+        commits). Per miss, in the plan's order: its selection position, address, source home
+        (mapping value), destination GPU slot (-1: none), the CPU row it pops for its victim or
+        itself (``cpu_row``, -1: none), whether its victim goes back to its copy, a free row that
+        still holds its bytes, with no bytes moved (``clean``), and the CPU row its victim's entry
+        lives in afterwards (``victim_row``: the copy when clean, else ``cpu_row``; -1 for a miss
+        into a free slot, one without a slot, or a buffer's dropped victim). A refused call plans
+        no move."""
         ctl = self.ctl.cpu()
-        k_free, victims = int(ctl[int(K.E_KFREE)]), int(ctl[int(K.E_VICTIMS)])
-        j = torch.arange(pos.numel())
-        dest = torch.where(j < victims, victim_slots(sc, ctl.tolist(), j), -1)
-        clean, before = victim_cleans(sc, ctl.tolist(), j)
-        clean &= j < victims
-        # A clean victim pops no row when the plan fills (K.E_FILL): the others pop in order.
-        fill = int(ctl[int(K.E_FILL)])
-        popped = sc.popped.cpu().to(torch.int64)
-        pop = pop_index(j, k_free, before, fill).clamp(min=0, max=popped.numel() - 1)
-        fills = clean & bool(fill)
-        pops = (j >= k_free) & ~fills
-        cpu_row = torch.where(pops, popped[pop], -1)
-        evicting = (j >= k_free) & (j < victims)
-        victim_row = torch.full_like(j, -1)
-        if self.copies is not None:
-            # As apply decides: a victim that pops a row still goes back to its intact copy when
-            # the call's pops (K.E_POPS) stop above it, or when the row it popped is that copy.
-            copy_row, copy_slot = (t.cpu().to(torch.int64) for t in self.copies)
-            copy = torch.where(evicting, copy_row[dest.clamp(min=0)], -1)
-            intact = (copy >= 0) & (copy_slot[copy.clamp(min=0)] == dest)
-            depth = sc.copy_depth.cpu().to(torch.int64)[dest.clamp(min=0)]
-            back = pops & intact & ((depth >= int(ctl[int(K.E_POPS)])) | (copy == cpu_row))
-            clean = fills | (evicting & back)
-            victim_row = torch.where(evicting, torch.where(clean, copy, cpu_row), -1)
+        planned = int(ctl[int(K.E_LAST_STATUS)]) == 0
+        moves = self.scratch.moves[:, : int(ctl[int(K.E_MISSES)]) if planned else 0].cpu().to(torch.int64)
+        pos, slot, cpu_row, dest, _, flags = moves
         return {
             "position": pos,
             "address": self.addresses.cpu()[pos].to(torch.int64),
-            "source": sc.home.cpu()[pos].to(torch.int64),
-            "gpu_slot": dest,
+            "source": self.scratch.home.cpu()[pos].to(torch.int64),
+            "gpu_slot": slot,
             "cpu_row": cpu_row,
-            "clean": clean,
-            "victim_row": victim_row,
+            "clean": (flags & int(K.MF_CLEAN)) != 0,
+            "victim_row": torch.where(slot >= 0, dest, -1),
         }
 
 

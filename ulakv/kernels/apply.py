@@ -1,6 +1,8 @@
 """Apply: carry out a plan. Element programs write each element's slot and recency; a persistent
 grid of workers, as many as the GPU holds at once, strides over the plan's misses ``ROWS`` at a time
 (the count read on the device), so the grid follows the work the plan found, not the call's size.
+Apply decides nothing: each miss's slot, CPU rows and whether its victim's bytes stay are the
+plan's (``ulakv.kernels.decide``), read as one column of ``moves`` a miss.
 
 A swap never overwrites a live home: each victim's rows first go to a *free* CPU row (the pool keeps
 ``staging_slots`` spare rows so one exists even when every admitted row is taken), then its mapping
@@ -44,15 +46,7 @@ from .buckets import PBLRUBits
 from .grid import program_slots
 from .operands import as_words
 from .rows import aligned_to, load_units, store_units, unit_offsets, vector_unit, vectors_per_row
-from .victims import (
-    control_word,
-    pop_index,
-    pop_index_jit,
-    ring_block_copy,
-    victim_cleans,
-    victim_slot,
-    victim_slots,
-)
+from .victims import control_word, ring_block_copy
 
 
 class Tiling(NamedTuple):
@@ -81,12 +75,6 @@ APPLY_WARPS = 8
 APPLY_REGISTERS = 128
 
 ALL_PHASES = (int(K.PH_OUT), int(K.PH_COMMIT))
-
-# How many chunks past the last tile's a worker's next tile looks for its misses' chunks, in one
-# load: a tile's 8 misses span 2 chunks unless whole chunks in between had none (all hits or
-# padding); past that it searches (``_chunk_of``: a load a halving, 10 at 768 chunks). 8 chunks
-# spilled 24 B in the byte-row variants (128 registers).
-CHUNKS_AHEAD = tl.constexpr(4)
 
 
 class Rows(NamedTuple):
@@ -128,31 +116,16 @@ class Buckets(NamedTuple):
     R: tl.tensor
 
 
-class PlanWords(NamedTuple):
-    """The plan's words a worker reads, taken out of ``ctl`` once (scalars, not the 32-lane vector,
-    stay live across its loop): misses into free slots, misses with a GPU slot, candidate segments
-    summed, whether clean victims fill, CPU rows popped, where freed rows join the free list."""
-
-    k_free: tl.tensor
-    victims: tl.tensor
-    segments: tl.tensor
-    fill: tl.tensor
-    pops: tl.tensor
-    push_base: tl.tensor
-
-
 class MissTile(NamedTuple):
-    """``ROWS`` of the call's misses and what the plan decided for each: index ``j`` among the
-    misses (``live``: it exists), its chunk, position and address, source home, GPU slot ``v``
-    (``has_slot``), whether it pops a CPU row (``popping``: past the free slots) and which
-    (``cpu_row``), clean victims before it, whether its victim fills, and the victim's copy, whether
-    it goes back there (``back``), moves no bytes (``clean``), and its CPU row afterwards
-    (``dest``)."""
+    """``ROWS`` of the call's misses and what the plan decided for each (``ulakv.kernels.decide``):
+    index ``j`` among the misses (``live``: it exists), position and address, source home, GPU slot
+    ``v`` (``has_slot``), whether it is past the free slots (``popping``), the CPU row it pops
+    (``cpu_row``), the row that becomes a home at evict (``dest``), where its own CPU row joins the
+    free list (``push``), whether its victim's bytes stay (``clean``), and whether its popped row
+    takes its victim's copy's place (``refill``)."""
 
     j: tl.tensor
     live: tl.tensor
-    chunk: tl.tensor
-    first: tl.tensor
     pos: tl.tensor
     address: tl.tensor
     src: tl.tensor
@@ -160,110 +133,31 @@ class MissTile(NamedTuple):
     v: tl.tensor
     popping: tl.tensor
     cpu_row: tl.tensor
-    before: tl.tensor
-    fills: tl.tensor
-    copy: tl.tensor
-    back: tl.tensor
-    clean: tl.tensor
     dest: tl.tensor
+    push: tl.tensor
+    clean: tl.tensor
+    refill: tl.tensor
 
 
 @triton.jit
-def _chunk_of(j, live, chunk_off_ptr, n_chunks, step):
-    """The chunk holding each of the call's misses ``j`` (the last chunk whose first miss is at
-    most ``j``: the chunks' first misses never decrease), and that chunk's first miss. A binary
-    search, ``step`` the largest power of two below ``n_chunks`` (0 for one chunk): a load a step,
-    10 at batch 256 x 3 x 2048 (768 chunks)."""
-    c = tl.zeros_like(j)
-    first = tl.zeros_like(j)
-    while step > 0:
-        ahead = c + step
-        ok = live & (ahead < n_chunks)
-        at = tl.load(chunk_off_ptr + ahead * K.OFF_WORDS + K.O_MISS, mask=ok, other=0)
-        ok = ok & (at <= j)
-        c = tl.where(ok, ahead, c)
-        first = tl.where(ok, at, first)
-        step = step // 2
-    return c, first
-
-
-@triton.jit
-def _chunk_ahead(j, live, c_last, first_last, chunk_off_ptr, n_chunks, AHEAD: tl.constexpr):
-    """The chunks of misses ``j`` that lie in chunk ``c_last`` (first miss ``first_last``) or in
-    the ``AHEAD`` chunks after it, from one load of those chunks' first misses; ``beyond`` when a
-    miss may lie further (then ``_chunk_of`` searches)."""
-    ahead = c_last + 1 + tl.arange(0, AHEAD)
-    exists = ahead < n_chunks
-    at = tl.load(chunk_off_ptr + ahead * K.OFF_WORDS + K.O_MISS, mask=exists, other=0)
-    passed = exists[None, :] & (at[None, :] <= j[:, None])  # a prefix of each row: first misses rise
-    n = tl.sum(passed.to(tl.int32), axis=1)
-    first = tl.maximum(tl.max(tl.where(passed, at[None, :], 0), axis=1), first_last)
-    beyond = tl.max((live & (n == AHEAD)).to(tl.int32), axis=0) > 0
-    return c_last + n, first, beyond
-
-
-@triton.jit
-def _miss_tile(
-    j,
-    live,
-    c_last,
-    first_last,
-    plan,
-    homes,
-    sel_ptr,
-    home_ptr,
-    miss_pos_ptr,
-    chunk_off_ptr,
-    n_chunks,
-    search_step,
-    victims_ptr,
-    popped_ptr,
-    cand_ptr,
-    seg_ptr,
-    copy_depth_ptr,
-    CHUNK: tl.constexpr,
-    AHEAD: tl.constexpr,
-    CACHE: tl.constexpr,
-):
-    """The call's misses ``j`` (``live``: those that exist), which lie in chunk ``c_last`` (whose
-    first miss is ``first_last``) or later, with what the plan decided for each (``MissTile``)."""
-    k_free = plan.k_free
-    fill = plan.fill
-    c, first, beyond = _chunk_ahead(j, live, c_last, first_last, chunk_off_ptr, n_chunks, AHEAD)
-    if beyond:
-        c, first = _chunk_of(j, live, chunk_off_ptr, n_chunks, search_step)
-    p = tl.load(miss_pos_ptr + c * CHUNK + (j - first), mask=live, other=0)
+def _miss_tile(j, live, k_free, moves_ptr, cap, sel_ptr, home_ptr):
+    """The call's misses ``j`` (``live``: those that exist) with the moves the plan decided for
+    them (``k_free``: the misses into free slots): one load a word, all independent, then the
+    address and source home by position."""
+    moves = moves_ptr + j
+    p = tl.load(moves + K.MV_POS * cap, mask=live, other=0)
+    v = tl.load(moves + K.MV_SLOT * cap, mask=live, other=-1)
+    cpu_row = tl.load(moves + K.MV_ROW * cap, mask=live, other=-1)
+    dest = tl.load(moves + K.MV_DEST * cap, mask=live, other=-1)
+    push = tl.load(moves + K.MV_PUSH * cap, mask=live, other=-1)
+    flags = tl.load(moves + K.MV_FLAGS * cap, mask=live, other=0)
     a = tl.load(sel_ptr + p, mask=live, other=0).to(tl.int64)
     src = tl.load(home_ptr + p, mask=live, other=0)
-    has_slot = live & (j < plan.victims)
-    v, clean, before = victim_slot(j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, plan.segments, CHUNK)
-    popping = live & (j >= k_free)  # misses past the free slots evict, or get a CPU row themselves
-    # Filling, clean victims pop nothing: the others pop the top rows in order.
-    fills = tl.where(clean, fill, 0) != 0
-    takes_row = popping & ~fills
-    cpu_row = tl.load(popped_ptr + pop_index_jit(j, k_free, before, fill), mask=takes_row, other=0)
-
-    # A victim whose entry came in from a CPU row that still holds its bytes (a free row, its copy)
-    # goes back there with no copy: a *clean* eviction. When the plan fills, the victims it
-    # counted clean pop nothing (``fills``). Every other victim popped a row; it goes back to its
-    # copy all the same (``back``) when the copy is intact and no pop of the call took it: it lies
-    # deeper than the call's pops (as the call began: the classify took the depth), or it is the
-    # row the victim popped itself. Its popped row then takes the copy's place. The words read
-    # here change only at commit, or by a pop of that very copy, which rules it out anyway: every
-    # phase of every launch of this plan decides the same (``TransferPlan.describe`` decides alike).
-    copy = tl.full(j.shape, -1, tl.int32)
-    back = has_slot & (copy >= 0)
-    if not CACHE:  # a buffer's victims live on their home rank: no copies
-        copy = tl.load(homes.copy_row + v, mask=has_slot & popping, other=-1)
-        back = popping & ~fills & (copy >= 0)
-        back = back & (tl.load(homes.copy_slot + copy, mask=back, other=-1) == v)
-        deep = tl.load(copy_depth_ptr + v, mask=back, other=0) >= plan.pops
-        back = back & (deep | (copy == cpu_row))
-    clean = fills | back  # no bytes move
-    dest = tl.where(clean, copy, cpu_row)  # the victim's CPU row
-    return MissTile(
-        j, live, c, first, p, a, src, has_slot, v, popping, cpu_row, before, fills, copy, back, clean, dest
-    )
+    has_slot = live & (v >= 0)
+    popping = live & (j >= k_free)
+    clean = (flags & K.MF_CLEAN) != 0
+    refill = (flags & K.MF_REFILL) != 0
+    return MissTile(j, live, p, a, src, has_slot, v, popping, cpu_row, dest, push, clean, refill)
 
 
 @triton.jit
@@ -293,10 +187,11 @@ def _evict(t, homes, stats_ptr, group_row_bytes, CACHE: tl.constexpr):
         # A row that becomes a home copies nothing (the slot's own word is rewritten at commit,
         # before any other call can read it).
         tl.store(homes.copy_slot + t.dest, tl.full(t.j.shape, -1, tl.int32), mask=t.popping)
-        # A clean victim's row leaves the free list from wherever it sat. When it popped a row,
-        # that row, unused, takes its place (when it fills, commit puts its miss's row there).
-        refill = evict & t.back & (t.copy != t.cpu_row)
-        hole = tl.load(homes.cpu_pos + t.copy, mask=refill, other=0)
+        # A clean victim's row (its copy: ``dest``) leaves the free list from wherever it sat. When
+        # it popped a row, that row, unused, takes its place (when it fills, commit puts its miss's
+        # row there).
+        refill = evict & t.refill
+        hole = tl.load(homes.cpu_pos + t.dest, mask=refill, other=0)
         tl.store(homes.cpu_free + hole, t.cpu_row, mask=refill)
         tl.store(homes.cpu_pos + t.cpu_row, hole, mask=refill)
         # Bytes out (the copies) and clean evictions, in one two-lane atomic.
@@ -357,22 +252,16 @@ def _bring_in(
 
 
 @triton.jit
-def _commit(t, homes, plan, chunk_off_ptr, cpu_rank_ptr, CACHE: tl.constexpr):
+def _commit(t, homes, CACHE: tl.constexpr):
     """Phase ``commit`` (mapping): misses live where their rows are; each miss from the CPU leaves
-    its row, now its copy, at the bottom of the free list, at its rank among the call's such misses
-    that do not fill (filling, in its clean victim's copy's place)."""
+    its row, now its copy, where the plan put it in the free list (``push``)."""
     G = homes.gpu_slots
     tl.store(homes.mapping + t.address, tl.where(t.has_slot, t.v, G + t.cpu_row), mask=t.live)
     tl.store(homes.owner + t.v, t.address.to(tl.int32), mask=t.has_slot)
-    pushes = t.live & (t.src >= G)
     if not CACHE:
-        push = plan.push_base - t.before * plan.fill
-        push += tl.load(chunk_off_ptr + t.chunk * K.OFF_WORDS + K.O_PUSH, mask=pushes, other=0)
-        push = K.wrap(push + tl.load(cpu_rank_ptr + t.pos, mask=pushes, other=0), homes.cpu_rows)  # < 2C
-        filling = pushes & t.fills
-        push = tl.where(filling, tl.load(homes.cpu_pos + t.copy, mask=filling, other=0), push)
-        tl.store(homes.cpu_free + push, t.src - G, mask=pushes)
-        tl.store(homes.cpu_pos + t.src - G, push.to(tl.int32), mask=pushes)
+        pushes = t.live & (t.src >= G)
+        tl.store(homes.cpu_free + t.push, t.src - G, mask=pushes)
+        tl.store(homes.cpu_pos + t.src - G, t.push, mask=pushes)
         tl.store(homes.copy_slot + t.src - G, t.v, mask=pushes & t.has_slot)
         tl.store(homes.copy_row + t.v, tl.where(pushes, t.src - G, -1), mask=t.has_slot)
 
@@ -392,7 +281,7 @@ def _commit_buckets(t, buckets_of, rnd, rnd_bucket):
 
 
 # Not specialised: T, G, Qcap, L (short last group), write_layer, phase and in-layer bounds, layer0 (all
-# vary per call or feed no vectorisable access), the chunk search's first step (varies with T); the
+# vary per call or feed no vectorisable access), the plan's moves' capacity (grows with the scratch); the
 # alignment of the caller's selection, rows and slots (any view) and of group g's rows of [groups, ...]
 # state. Specialised: n_vec (vectors a row) and the layer strides (fixed per pool; rows move in
 # UNIT-element vectors, 16 bytes where the launcher found them aligned), gpu_ptr/cpu_ptr (the whole
@@ -416,7 +305,7 @@ def _commit_buckets(t, buckets_of, rnd, rnd_bucket):
         "R",
         "C",
         "group_row_bytes",
-        "search_step",
+        "cap",
         "homed_programs",
     ],
     do_not_specialize_on_alignment=[
@@ -443,11 +332,8 @@ def apply_kernel(
     G,
     home_ptr,
     flags_ptr,
-    counts_ptr,
-    miss_pos_ptr,
     miss_rank_ptr,
     hit_rank_ptr,
-    cpu_rank_ptr,
     first_pos_ptr,
     ctl_ptr,
     map_ptr,
@@ -457,8 +343,6 @@ def apply_kernel(
     q_ver_ptr,
     Qcap,
     cpu_free_ptr,
-    victims_ptr,
-    popped_ptr,
     chunk_off_ptr,
     gpu_ptr,
     cpu_ptr,
@@ -476,8 +360,6 @@ def apply_kernel(
     fetched_ptr,
     fetch_row_ptr,
     layer0,
-    cand_ptr,
-    seg_ptr,
     gctl_ptr,
     bits_ptr,
     BW,
@@ -488,14 +370,14 @@ def apply_kernel(
     cpu_pos_ptr,
     copy_slot_ptr,
     copy_row_ptr,
-    copy_depth_ptr,
     slot_of_ptr,
+    moves_ptr,
+    cap,
     C,
     stats_ptr,
     group_row_bytes,
     ring_ptr,
     ring_blocks_ptr,
-    search_step,
     homed_programs,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
@@ -532,8 +414,6 @@ def apply_kernel(
     run_commit = (first_phase <= K.PH_COMMIT) & (last_phase >= K.PH_COMMIT)
     k_free = control_word(ctl, K.E_KFREE)
     V = control_word(ctl, K.E_VICTIMS)
-    segments = control_word(ctl, K.E_SEGMENTS)
-    n_chunks = (T + CHUNK - 1) // CHUNK
     element_programs = 0
     if (not WRITE) or (POLICY == K.EXACT_LRU):
         element_programs = (T + ELEMS - 1) // ELEMS
@@ -552,18 +432,15 @@ def apply_kernel(
                 e0 // CHUNK,
                 run_evict,
                 run_commit,
-                k_free,
                 V,
-                segments,
                 flags_ptr,
                 home_ptr,
                 first_pos_ptr,
                 chunk_off_ptr,
                 miss_rank_ptr,
                 hit_rank_ptr,
-                victims_ptr,
-                cand_ptr,
-                seg_ptr,
+                moves_ptr,
+                cap,
                 slots_ptr,
                 slot_of_ptr,
                 ver_ptr,
@@ -605,54 +482,17 @@ def apply_kernel(
         miss_tiles = (M + ROWS - 1) // ROWS
         rows = Rows(gpu_ptr, cpu_ptr, gpu_layer_stride, cpu_layer_stride, n_vec, L)
         homes = Homes(map_ptr, owner_ptr, cpu_free_ptr, cpu_pos_ptr, copy_slot_ptr, copy_row_ptr, G, C)
-        plan = PlanWords(
-            k_free,
-            V,
-            segments,
-            control_word(ctl, K.E_FILL),
-            control_word(ctl, K.E_POPS),
-            control_word(ctl, K.E_PUSH_BASE),
-        )
         rnd = tl.load(gctl_ptr + K.G_ROUND)  # PB-LRU's round (the plan started it)
         rnd_bucket = control_word(ctl, K.E_ROUND_BUCKET)
         ring_blocks = control_word(ctl, K.E_RING_BLOCKS)  # exact LRU's compaction (after the loop)
         ring_at = control_word(ctl, K.E_RING_AT)
         ring_dropped = control_word(ctl, K.E_RING_DROPPED)
-        # Worker w moves the misses' tiles [w * per, (w + 1) * per): consecutive tiles lie in the
-        # same chunks or the next ones, so each finds its rows' chunks from the last tile's in one
-        # load (a binary search over the chunks when they lie further: a worker's first tile).
-        # (in 32 bits: a 64-bit division by a runtime value is a called routine on sm_90)
-        per = (miss_tiles.to(tl.int32) + workers - 1) // workers
-        tile = worker.to(tl.int64) * per
-        tile_end = tl.minimum(tile + per, miss_tiles)
-        c_last = tl.zeros((), tl.int64)  # the chunk of the last tile's last miss, and its first miss
-        first_last = tl.zeros((), tl.int64)
-        while tile < tile_end:
+        # Worker w moves the misses' tiles w, w + workers, ...: each tile's moves are a column of
+        # the plan (``decide``), so a tile needs nothing from the one before it.
+        tile = worker.to(tl.int64)
+        while tile < miss_tiles:
             j = tile * ROWS + tl.arange(0, ROWS)
-            t = _miss_tile(
-                j,
-                j < M,
-                c_last,
-                first_last,
-                plan,
-                homes,
-                sel_ptr,
-                home_ptr,
-                miss_pos_ptr,
-                chunk_off_ptr,
-                n_chunks,
-                search_step,
-                victims_ptr,
-                popped_ptr,
-                cand_ptr,
-                seg_ptr,
-                copy_depth_ptr,
-                CHUNK,
-                CHUNKS_AHEAD,
-                CACHE,
-            )
-            c_last = tl.max(tl.where(t.live, t.chunk, 0), axis=0)
-            first_last = tl.max(tl.where(t.live, t.first, 0), axis=0)
+            t = _miss_tile(j, j < M, k_free, moves_ptr, cap, sel_ptr, home_ptr)
             # Data, mapping, data, mapping (a buffer drops its victims: no out phase).
             if run_out and not CACHE:
                 _out(t, rows, owner_ptr, VECS, UNIT, UNIT_BYTES)
@@ -679,11 +519,11 @@ def apply_kernel(
                 )
             tl.debug_barrier()  # the misses' rows in before their mapping moves
             if run_commit:
-                _commit(t, homes, plan, chunk_off_ptr, cpu_rank_ptr, CACHE)
+                _commit(t, homes, CACHE)
                 if POLICY == K.PBLRU:
                     bitmaps = Buckets(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R)
                     _commit_buckets(t, bitmaps, rnd, rnd_bucket)
-            tile += 1
+            tile += workers
         if POLICY == K.EXACT_LRU:
             if run_commit:
                 # Ring blocks of a compacting call (commit): a block's live pairs land before any
@@ -712,18 +552,15 @@ def _serve_elements(
     chunk,
     run_evict,
     run_commit,
-    k_free,
     V,
-    segments,
     flags_ptr,
     home_ptr,
     first_pos_ptr,
     chunk_off_ptr,
     miss_rank_ptr,
     hit_rank_ptr,
-    victims_ptr,
-    cand_ptr,
-    seg_ptr,
+    moves_ptr,
+    cap,
     slots_ptr,
     slot_of_ptr,
     ver_ptr,
@@ -738,20 +575,7 @@ def _serve_elements(
     LRU keeps them for commit), and under exact LRU their appends to the LRU ring at ``commit``."""
     if run_evict:
         slot = _slot_of(
-            pos,
-            inb,
-            CHUNK,
-            flags_ptr,
-            home_ptr,
-            first_pos_ptr,
-            chunk_off_ptr,
-            miss_rank_ptr,
-            victims_ptr,
-            cand_ptr,
-            seg_ptr,
-            segments,
-            k_free,
-            V,
+            pos, inb, CHUNK, flags_ptr, home_ptr, first_pos_ptr, chunk_off_ptr, miss_rank_ptr, moves_ptr, cap
         )
         if not WRITE:
             tl.store(slots_ptr + pos, slot, mask=inb)
@@ -788,15 +612,12 @@ def _slot_of(
     first_pos_ptr,
     chunk_off_ptr,
     miss_rank_ptr,
-    victims_ptr,
-    cand_ptr,
-    seg_ptr,
-    segments,
-    k_free,
-    V,
+    moves_ptr,
+    cap,
 ):
-    """GPU slot of each element after this call: its home (a hit), the victim slot its first
-    occurrence received (a miss), or -1 (padding, or a write's entry that stays on the CPU)."""
+    """GPU slot of each element after this call: its home (a hit), the slot the plan gave its first
+    occurrence (a miss: ``j``, its index among the call's misses, is its chunk's first plus its rank
+    in the chunk), or -1 (padding, or a write's entry that stays on the CPU)."""
     flags = tl.load(flags_ptr + pos, mask=inb, other=0)
     home = tl.load(home_ptr + pos, mask=inb, other=-1)
     on_gpu = (flags & K.F_GPU) != 0
@@ -804,10 +625,8 @@ def _slot_of(
     p0 = tl.load(first_pos_ptr + pos, mask=moved, other=0)
     j0 = tl.load(chunk_off_ptr + (p0 // CHUNK) * K.OFF_WORDS + K.O_MISS, mask=moved, other=0)
     j0 += tl.load(miss_rank_ptr + p0, mask=moved, other=0)
-    moved_slot = moved & (j0 < V)
-    victim, _, _ = victim_slot(j0, moved_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK)
-    slot = tl.where(on_gpu, home, victim)
-    return tl.where(on_gpu | moved_slot, slot, -1)
+    given = tl.load(moves_ptr + K.MV_SLOT * cap + j0, mask=moved, other=-1)
+    return tl.where(on_gpu, home, tl.where(moved, given, -1))
 
 
 @triton.jit
@@ -850,12 +669,6 @@ def _write_homed(
     tl.store(copy_row_ptr + h, tl.full((ROWS,), -1, tl.int32), mask=em & ((f & K.F_GPU) != 0))
     hc2, _ = unit_offsets((h - G).to(tl.int64), n_vec, VECS, UNIT)
     store_units(c_row, hc2, row, to_cpu[:, None, None] & vm, UNIT, UNIT_BYTES)
-
-
-def search_step(n_chunks: int) -> int:
-    """The first step of ``_chunk_of``'s binary search: the largest power of two below
-    ``n_chunks`` (0 for one chunk)."""
-    return 1 << ((n_chunks - 1).bit_length() - 1) if n_chunks > 1 else 0
 
 
 def apply_grid(st, T: int, write: bool, tiling: Tiling) -> tuple[tuple[int], int]:
@@ -942,10 +755,18 @@ def apply(
         layer0=layers.start,
         slot_of_ptr=scratch.slot_of,
         group_row_bytes=len(layers) * st.gpu_data.shape[-1],
-        search_step=search_step(triton.cdiv(T, K.CHUNK)),
         homed_programs=homed_programs,
         **st.group_kwargs(g),
-        **scratch.kernel_kwargs(),
+        home_ptr=scratch.home,
+        flags_ptr=scratch.flags,
+        first_pos_ptr=scratch.first_pos,
+        miss_rank_ptr=scratch.miss_rank,
+        hit_rank_ptr=scratch.hit_rank,
+        chunk_off_ptr=scratch.chunk_off,
+        moves_ptr=scratch.moves,
+        cap=scratch.capacity,
+        ring_ptr=scratch.ring,
+        ring_blocks_ptr=scratch.ring_blocks,
         WRITE=write,
         POLICY=st.policy,
         CHUNK=K.CHUNK,
@@ -983,37 +804,36 @@ def apply_reference(
         if not write and runs(K.PH_EVICT):
             slots[:T] = -1
         return
-    k_free, V = int(st.ctl[int(K.E_KFREE)]), int(st.ctl[int(K.E_VICTIMS)])
-    push_base = int(st.ctl[int(K.E_PUSH_BASE)])
-    victim = victim_slots(scratch, st.ctl.tolist(), torch.arange(V)).tolist()
+    k_free = int(st.ctl[int(K.E_KFREE)])
     gpu, cpu = st.gpu_data[layers.start : layers.stop], st.cpu_data[layers.start : layers.stop]
     in_layers = in_layers if in_layers is not None else layers
     local = write_layer - layers.start
     new_rows = rows.view(torch.uint8).reshape(T, -1) if write else None
-
-    fill, pops = int(st.ctl[int(K.E_FILL)]), int(st.ctl[int(K.E_POPS)])
-    clean_bit, before = victim_cleans(scratch, st.ctl.tolist(), torch.arange(V))
-    cap, stats, group_row_bytes = st.cpu_stack_size, st.stats, len(layers) * st.gpu_data.shape[-1]
+    stats, group_row_bytes = st.stats, len(layers) * st.gpu_data.shape[-1]
+    moves = scratch.moves[:, : int(st.ctl[int(K.E_MISSES)])].cpu().tolist()
+    maybe = lambda x: None if x < 0 else x
 
     def misses(c: int):
-        """Chunk ``c``'s misses: index, position, address, source home, GPU slot (or None), the copy
-        its victim goes back to if clean (or None), and the CPU row it popped (or None: a miss into
-        a free slot, or one whose victim the plan counted clean when it fills)."""
+        """Chunk ``c``'s misses with what the plan decided for each: index, position, address,
+        source home, GPU slot, CPU row popped, row that becomes a home at evict (None: none), where
+        its CPU row joins the free list, whether its victim's bytes stay, whether its popped row
+        takes the copy's place."""
         m_off = int(scratch.chunk_off[c, int(K.O_MISS)])
-        for r in range(int(scratch.counts[c, int(K.C_NEED)])):
-            p, j = int(scratch.miss_pos[c * C + r]), m_off + r
-            v = victim[j] if j < V else None
-            mine = int(st.copy_row[g, v]) if v is not None and not st.CACHE else -1
-            copy = popped = None
-            if fill and v is not None and bool(clean_bit[j]):
-                copy = mine
-            elif j >= k_free:
-                popped = int(scratch.popped[pop_index(j, k_free, int(before[j] if j < V else 0), fill)])
-                # Back to its copy when intact and no pop of the call took it.
-                if mine >= 0 and int(st.copy_slot[g, mine]) == v:
-                    if int(scratch.copy_depth[v]) >= pops or mine == popped:
-                        copy = mine
-            yield j, p, int(flat[p]), int(scratch.home[p]), v, copy, popped
+        for j in range(m_off, m_off + int(scratch.counts[c, int(K.C_NEED)])):
+            p, v, row, dest, push, flags = (moves[w][j] for w in range(K.MOVE_WORDS))
+            clean, refill = bool(flags & int(K.MF_CLEAN)), bool(flags & int(K.MF_REFILL))
+            yield (
+                j,
+                p,
+                int(flat[p]),
+                int(scratch.home[p]),
+                maybe(v),
+                maybe(row),
+                maybe(dest),
+                push,
+                clean,
+                refill,
+            )
 
     def slot_of(pos: int) -> int:
         flags, home = int(scratch.flags[pos]), int(scratch.home[pos])
@@ -1022,29 +842,18 @@ def apply_reference(
         if flags & int(K.F_MOVED):
             p0 = int(scratch.first_pos[pos])
             j0 = int(scratch.chunk_off[p0 // C, int(K.O_MISS)]) + int(scratch.miss_rank[p0])
-            return victim[j0] if j0 < V else -1
+            return moves[int(K.MV_SLOT)][j0]
         return -1
 
-    # Every phase reads the copies of the plan's clean victims as the call began: only commit
-    # rewrites a victim's copy word, and the moves below never touch another victim's.
     chunks = range(-(-T // C))
-    # Where each miss from the CPU leaves its row at commit, unless it fills: the bottom of the free
-    # list, in miss order.
-    pushed = [
-        j
-        for c in chunks
-        for j, _, _, src, _, copy, popped in misses(c)
-        if src >= G and not st.CACHE and not (copy is not None and popped is None)
-    ]
-    push_at = {j: (push_base + k) % cap for k, j in enumerate(pushed)}
     for c in chunks:
         chunk = range(c * C, min(T, (c + 1) * C))
         if runs(K.PH_OUT) and not st.CACHE:
-            for j, _, _, _, v, copy, popped in misses(c):
-                if v is not None and j >= k_free and int(st.owner[g, v]) >= 0 and copy is None:
-                    cpu[:, popped] = gpu[:, v]
+            for j, _, _, _, v, row, _, _, clean, _ in misses(c):
+                if v is not None and j >= k_free and int(st.owner[g, v]) >= 0 and not clean:
+                    cpu[:, row] = gpu[:, v]
         if runs(K.PH_EVICT):
-            for j, _, _, _, v, copy, popped in misses(c):
+            for j, _, _, _, v, row, dest, _, clean, refill in misses(c):
                 evicting = v is not None and j >= k_free
                 old = int(st.owner[g, v]) if evicting else -1
                 if st.CACHE:
@@ -1054,27 +863,22 @@ def apply_reference(
                     continue
                 if j < k_free:
                     continue
-                dest = popped if copy is None else copy
                 st.copy_slot[g, dest] = -1
                 if old >= 0:
                     st.mapping[g, old] = G + dest
                     st.owner[g, v] = -1
-                    if copy is None:
-                        stats[int(K.S_BYTES_OUT)] += group_row_bytes
-                    else:
-                        stats[int(K.S_CLEAN)] += 1
-                    if copy is not None and popped is not None and copy != popped:
-                        # the popped row, unused, takes the copy's place
-                        hole = int(st.cpu_pos[g, copy])
-                        st.cpu_free[g, hole] = popped
-                        st.cpu_pos[g, popped] = hole
+                    stats[int(K.S_CLEAN if clean else K.S_BYTES_OUT)] += 1 if clean else group_row_bytes
+                    if refill:  # the popped row, unused, takes the copy's (dest's) place
+                        hole = int(st.cpu_pos[g, dest])
+                        st.cpu_free[g, hole] = row
+                        st.cpu_pos[g, row] = hole
             for pos in chunk:
                 if not write:
                     slots[pos] = slot_of(pos)
                 if st.policy == K.EXACT_LRU:
                     scratch.slot_of[pos] = slot_of(pos)
         if runs(K.PH_IN):
-            for j, p, _, src, v, _, popped in misses(c):
+            for j, p, _, src, v, row_popped, _, _, _, _ in misses(c):
                 for layer in range(in_layers.start - layers.start, in_layers.stop - layers.start):
                     if st.CACHE:
                         row = (
@@ -1091,7 +895,7 @@ def apply_reference(
                     if v is not None:
                         gpu[layer, v] = row
                     else:
-                        cpu[layer, popped] = row
+                        cpu[layer, row_popped] = row
             if write:
                 for pos in chunk:
                     flags, home = int(scratch.flags[pos]), int(scratch.home[pos])
@@ -1105,17 +909,13 @@ def apply_reference(
         if runs(K.PH_COMMIT):
             bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
             rnd = int(st.gctl[g, int(K.G_ROUND)])
-            for j, _, a, src, v, copy, popped in misses(c):
-                filling = copy is not None and popped is None  # its victim went back to its copy
-                if src >= G and not st.CACHE:
-                    # Its row, now a copy: in its clean victim's copy's place when the plan fills,
-                    # else to the bottom of the free list, after the misses before it that did not.
-                    at = int(st.cpu_pos[g, copy]) if filling else push_at[j]
-                    st.cpu_free[g, at] = src - G
-                    st.cpu_pos[g, src - G] = at
+            for j, _, a, src, v, row, _, push, _, _ in misses(c):
+                if src >= G and not st.CACHE:  # its row, now a copy, where the plan put it
+                    st.cpu_free[g, push] = src - G
+                    st.cpu_pos[g, src - G] = push
                     if v is not None:
                         st.copy_slot[g, src - G] = v
-                st.mapping[g, a] = v if v is not None else G + popped
+                st.mapping[g, a] = v if v is not None else G + row
                 if v is not None:
                     st.owner[g, v] = a
                     if not st.CACHE:

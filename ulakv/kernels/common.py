@@ -106,6 +106,17 @@ O_QUEUE = tl.constexpr(1)  # where its touches are appended to the LRU queue
 O_PUSH = tl.constexpr(2)  # its rank among the CPU rows freed by this call
 OFF_WORDS = tl.constexpr(3)
 
+# What the plan decided for each miss: rows of the call scratch's ``moves`` (``ulakv.kernels.decide``).
+MV_POS = tl.constexpr(0)  # its position in the selection
+MV_SLOT = tl.constexpr(1)  # the GPU slot it receives (-1: none)
+MV_ROW = tl.constexpr(2)  # the CPU row it pops (-1: none)
+MV_DEST = tl.constexpr(3)  # the CPU row that becomes a home at evict: its victim's, or its own (-1: none)
+MV_PUSH = tl.constexpr(4)  # where its own CPU row joins the free list at commit (-1: not from the CPU)
+MV_FLAGS = tl.constexpr(5)  # MF_* bits
+MOVE_WORDS = 6
+MF_CLEAN = tl.constexpr(1)  # its victim's bytes stay where they are: no copy out
+MF_REFILL = tl.constexpr(2)  # the row it popped, unused, takes its victim's copy's place in the free list
+
 # The phases of applying a plan, in order (data, then mapping; the signal follows the last). After
 # every phase each entry is readable at the home its mapping names, so a plan stopped between any
 # two phases loses nothing and finishes by running the rest.

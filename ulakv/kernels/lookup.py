@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import buckets, round_end
+from . import buckets, decide, round_end
 from . import common as K
 from ._triton import tl, triton
 from .buckets import PBLRUBits
@@ -419,8 +419,8 @@ def classify_programs(st, T: int) -> int:
 def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int) -> int:
     """Launch claim, then classify + plan, over the flat selection ``sel`` for group ``g`` of
     ``st`` (a TieredState). ``group_row_bytes`` and ``layer_row_bytes`` price the moves in the
-    stats; under PB-LRU a prepare then ends its round (``round_end``). Returns the number of
-    launches (2, or 3 with a round end)."""
+    stats; under PB-LRU a prepare then ends its round (``round_end``); last, ``decide`` writes each
+    miss's moves. Returns the number of launches (3, or 4 with a round end)."""
     T = sel.numel()
     grid = (triton.cdiv(T, K.CHUNK),)
     mapping, claim, mark, ctl, gpu_slots = st.mapping[g], st.claim, st.mark, st.ctl, st.gpu_slots
@@ -456,20 +456,22 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         CACHE=st.CACHE,
         num_warps=CLASSIFY_WARPS[st.policy],
     )
+    launches = 2
     if st.policy == K.PBLRU and not write:  # a prepare ended its round: the bucket to reuse goes cold
-        return 2 + round_end.end_round(st, g)
-    return 2
+        launches += round_end.end_round(st, g)
+    return launches + decide.decide(st, g, scratch, T)
 
 
 def lookup_and_plan_reference(
     st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int
 ) -> None:
     """Plain-Python twin of :func:`lookup_and_plan`: the two launches, then the victims program
-    (and PB-LRU's round end after a prepare)."""
+    (and PB-LRU's round end after a prepare), then each miss's moves."""
     claim_and_classify_reference(st, g, sel, scratch, write)
     victims_reference(st, g, scratch, sel.numel(), write, group_row_bytes, layer_row_bytes)
     if st.policy == K.PBLRU and not write:
         round_end.end_round_reference(st, g)
+    decide.decide_reference(st, g, scratch, sel.numel())
 
 
 def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:

@@ -281,6 +281,7 @@ class CallScratch(_Tensors):
     slot_of: torch.Tensor  # int32 [cap]: each element's GPU slot (exact LRU), as apply's evict phase found it
     ring: torch.Tensor  # int64 [ring pairs]: a compacting call's live LRU ring pairs, block by block
     ring_blocks: torch.Tensor  # int64 [lists + 1, 2]: each ring block's live pairs, and those before it
+    moves: torch.Tensor  # int32 [MOVE_WORDS, cap]: what the plan decided for each miss (``kernels.decide``)
 
     @classmethod
     def allocate(
@@ -317,6 +318,7 @@ class CallScratch(_Tensors):
             slot_of=torch.empty(capacity, **i32),
             ring=torch.empty(max(ring_pairs, 1), dtype=torch.int64, device=device),
             ring_blocks=torch.empty((lists + 1, 2), dtype=torch.int64, device=device),
+            moves=torch.empty((K.MOVE_WORDS, capacity), **i32),
         )
 
     @property
@@ -324,7 +326,7 @@ class CallScratch(_Tensors):
         return self.home.numel()
 
     def kernel_kwargs(self) -> dict[str, torch.Tensor]:
-        """The scratch both the classify and the apply kernel take, by their parameter names."""
+        """The scratch the classify kernel takes, by its parameter names."""
         return {
             "home_ptr": self.home,
             "flags_ptr": self.flags,
@@ -442,7 +444,6 @@ class TieredLayout:
             write_layer=layer,
             ctl=st.ctl,
             out=fill_later,
-            copies=None if st.CACHE else (st.copy_row[group], st.copy_slot[group]),
         )
         return plan, launches
 

@@ -1,0 +1,219 @@
+"""Decide: the last step of planning. Every move of every miss, as data in the call scratch.
+
+The planning program (``ulakv.kernels.victims``) decides the call's totals: how many misses take a
+free GPU slot, how many evict, where the victims' list lies, how many CPU rows are popped, whether
+clean victims fill. From those, this launch decides each miss ``j`` (its index in the call's miss
+order) and writes one column of ``moves`` (``K.MV_*`` words):
+
+- ``MV_POS``: its position in the selection;
+- ``MV_SLOT``: the GPU slot it receives (a free one, or a victim's), ``-1``: none (a write past the
+  GPU's room, whose entry gets a CPU row of its own);
+- ``MV_ROW``: the CPU row it pops off the top of the free list (for its victim's bytes, or its own
+  entry when it has no slot), ``-1``: none (a free slot, or a victim that goes back to its copy when
+  the plan fills);
+- ``MV_DEST``: the CPU row that becomes a home at ``evict``: its victim's copy when the eviction is
+  clean, else the row it popped; ``-1``: none (a free slot; a buffer drops its victims);
+- ``MV_PUSH``: where its own CPU row joins the free list at ``commit`` (a miss from the CPU: in its
+  clean victim's copy's place when the plan fills, else the list's bottom, in miss order), ``-1``:
+  not from the CPU;
+- ``MV_FLAGS``: ``MF_CLEAN`` (its victim's bytes stay: no copy out) and ``MF_REFILL`` (the row it
+  popped, unused, takes its victim's copy's place in the free list).
+
+Apply (``ulakv.kernels.apply``) only carries these out, in every launch of the plan, and
+``TransferPlan.describe`` reads them back: what the plan shows is what the run does.
+
+A victim goes back to its copy (a free CPU row that still holds its bytes) with no bytes moved
+when the plan counted it clean and fills, or, popping a row all the same, when the copy is intact
+and no pop of the call takes it: it lies deeper than the call's pops (its depth as the call began,
+taken by the classify), or it is the very row the victim popped. The words read here change only
+at commit, or by a pop of that very copy, which rules it out anyway.
+
+One program a chunk of the selection decides that chunk's misses, ``TILE`` at a time: no search
+for a miss's chunk, at most ``CHUNK / TILE`` steps a program whatever the batch or the pool, and a
+chunk without misses costs its program two loads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import common as K
+from ._triton import INTERPRETED, tl, triton
+from .victims import control_word, pop_index, pop_index_jit, victim_cleans, victim_slot, victim_slots
+
+# Misses a program decides a step. On a GPU at 4 warps 256 lanes are 2 a thread (the victim search
+# holds a few int64 words a lane); the interpreter pays per operation, so it takes a chunk at once.
+GPU_TILE = 256
+TILE = K.CHUNK if INTERPRETED else GPU_TILE
+DECIDE_WARPS = 4
+
+
+# Not specialised: T and the sizes (vary per call or per pool, feed no vectorisable access), the
+# moves' capacity, and the alignment of group g's rows of [groups, ...] state.
+@triton.jit(
+    do_not_specialize=["T", "G", "C", "cap"],
+    do_not_specialize_on_alignment=["cpu_pos_ptr", "copy_row_ptr", "copy_slot_ptr"],
+)
+def decide_kernel(
+    ctl_ptr,
+    T,
+    G,
+    C,
+    home_ptr,
+    counts_ptr,
+    miss_pos_ptr,
+    cpu_rank_ptr,
+    chunk_off_ptr,
+    victims_ptr,
+    popped_ptr,
+    cand_ptr,
+    seg_ptr,
+    copy_depth_ptr,
+    cpu_pos_ptr,
+    copy_row_ptr,
+    copy_slot_ptr,
+    moves_ptr,
+    cap,
+    CHUNK: tl.constexpr,
+    TILE: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    c = tl.program_id(0)
+    cw = tl.arange(0, K.CTL_BLOCK)
+    ctl = tl.load(ctl_ptr + cw, mask=cw < K.CTL_WORDS, other=0)
+    if control_word(ctl, K.E_LAST_STATUS) == 0:
+        k_free = control_word(ctl, K.E_KFREE)
+        V = control_word(ctl, K.E_VICTIMS)
+        segments = control_word(ctl, K.E_SEGMENTS)
+        fill = control_word(ctl, K.E_FILL)
+        pops = control_word(ctl, K.E_POPS)
+        push_base = control_word(ctl, K.E_PUSH_BASE)
+        n = tl.load(counts_ptr + c * K.COUNT_WORDS + K.C_NEED)
+        m_off = tl.load(chunk_off_ptr + c * K.OFF_WORDS + K.O_MISS)
+        push_off = tl.load(chunk_off_ptr + c * K.OFF_WORDS + K.O_PUSH)
+        for r0 in range(0, n, TILE):
+            r = r0 + tl.arange(0, TILE)
+            live = r < n
+            j = m_off + r
+            p = tl.load(miss_pos_ptr + c * CHUNK + r, mask=live, other=0)
+            src = tl.load(home_ptr + p, mask=live, other=0)
+            has_slot = live & (j < V)
+            v, counted_clean, before = victim_slot(
+                j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK
+            )
+            popping = live & (j >= k_free)  # past the free slots: evicts, or takes a CPU row itself
+            fills = tl.where(counted_clean, fill, 0) != 0  # filling, the plan's clean victims pop nothing
+            cpu_row = tl.full((TILE,), -1, tl.int32)
+            dest = tl.full((TILE,), -1, tl.int32)
+            push = tl.full((TILE,), -1, tl.int32)
+            clean = fills
+            refill = tl.zeros((TILE,), tl.int1)
+            if not CACHE:  # a buffer drops its victims: no CPU rows, no copies
+                takes_row = popping & ~fills
+                at = pop_index_jit(j, k_free, before, fill)
+                cpu_row = tl.load(popped_ptr + at, mask=takes_row, other=-1)
+                copy = tl.load(copy_row_ptr + v, mask=has_slot & popping, other=-1)
+                back = takes_row & has_slot & (copy >= 0)
+                back = back & (tl.load(copy_slot_ptr + copy, mask=back, other=-1) == v)
+                deep = tl.load(copy_depth_ptr + v, mask=back, other=0) >= pops
+                back = back & (deep | (copy == cpu_row))
+                clean = fills | back
+                refill = back & (copy != cpu_row)
+                dest = tl.where(has_slot & clean, copy, cpu_row)
+                dest = tl.where(popping, dest, -1)
+                # A miss from the CPU leaves its row at the free list's bottom, after the call's
+                # earlier such misses that do not fill (the classify ranked them in the chunk);
+                # filling, in its clean victim's copy's place.
+                pushes = live & (src >= G)
+                bottom = push_base - before * fill + push_off
+                bottom = K.wrap(bottom + tl.load(cpu_rank_ptr + p, mask=pushes, other=0), C)  # < 2C
+                filled = tl.load(cpu_pos_ptr + copy, mask=pushes & fills, other=0)
+                push = tl.where(pushes, tl.where(fills, filled, bottom), -1).to(tl.int32)
+            flags = clean.to(tl.int32) * K.MF_CLEAN + refill.to(tl.int32) * K.MF_REFILL
+            out = moves_ptr + j
+            tl.store(out + K.MV_POS * cap, p, mask=live)
+            tl.store(out + K.MV_SLOT * cap, tl.where(has_slot, v, -1), mask=live)
+            tl.store(out + K.MV_ROW * cap, cpu_row, mask=live)
+            tl.store(out + K.MV_DEST * cap, dest, mask=live)
+            tl.store(out + K.MV_PUSH * cap, push, mask=live)
+            tl.store(out + K.MV_FLAGS * cap, flags, mask=live)
+
+
+def decide(st, g: int, scratch, T: int) -> int:
+    """Launch decide for group ``g``'s plan of ``T`` selection elements: one program a chunk.
+    Returns launches (1)."""
+    decide_kernel[(triton.cdiv(T, K.CHUNK),)](
+        ctl_ptr=st.ctl,
+        T=T,
+        G=st.gpu_slots,
+        C=st.cpu_stack_size,
+        home_ptr=scratch.home,
+        counts_ptr=scratch.counts,
+        miss_pos_ptr=scratch.miss_pos,
+        cpu_rank_ptr=scratch.cpu_rank,
+        chunk_off_ptr=scratch.chunk_off,
+        victims_ptr=scratch.victims,
+        popped_ptr=scratch.popped,
+        cand_ptr=scratch.cand,
+        seg_ptr=scratch.seg,
+        copy_depth_ptr=scratch.copy_depth,
+        cpu_pos_ptr=st.cpu_pos[g],
+        copy_row_ptr=st.copy_row[g],
+        copy_slot_ptr=st.copy_slot[g],
+        moves_ptr=scratch.moves,
+        cap=scratch.capacity,
+        CHUNK=K.CHUNK,
+        TILE=TILE,
+        CACHE=st.CACHE,
+        num_warps=DECIDE_WARPS,
+    )
+    return 1
+
+
+def decide_reference(st, g: int, scratch, T: int) -> None:
+    """Plain-Python twin of :func:`decide`: the same columns of ``scratch.moves``, from the same
+    scratch and state, with tensor operations over every miss at once."""
+    ctl = st.ctl.tolist()
+    if ctl[int(K.E_LAST_STATUS)] != 0:
+        return
+    chunks = -(-T // K.CHUNK)
+    counts = scratch.counts[:chunks, int(K.C_NEED)].cpu().to(torch.int64)
+    offsets = scratch.chunk_off[:chunks].cpu()
+    chunk = torch.repeat_interleave(torch.arange(chunks), counts)
+    j = torch.arange(int(counts.sum()))
+    r = j - offsets[chunk, int(K.O_MISS)]
+    pos = scratch.miss_pos.cpu().to(torch.int64)[chunk * K.CHUNK + r]
+    src = scratch.home.cpu().to(torch.int64)[pos]
+    k_free, V, G = ctl[int(K.E_KFREE)], ctl[int(K.E_VICTIMS)], st.gpu_slots
+    fill, pops = ctl[int(K.E_FILL)], ctl[int(K.E_POPS)]
+    has_slot = j < V
+    slot = torch.where(has_slot, victim_slots(scratch, ctl, j), -1)
+    counted_clean, before = victim_cleans(scratch, ctl, j)
+    counted_clean &= has_slot
+    before = torch.where(has_slot, before, 0)
+    popping = j >= k_free
+    fills = counted_clean & bool(fill)
+    none = torch.full_like(j, -1)
+    cpu_row, dest, push, clean, refill = none, none, none, fills, torch.zeros_like(fills)
+    if not st.CACHE:
+        takes_row = popping & ~fills
+        popped = scratch.popped.cpu().to(torch.int64)
+        at = pop_index(j, k_free, before, fill).clamp(min=0, max=popped.numel() - 1)
+        cpu_row = torch.where(takes_row, popped[at], -1)
+        copy_row, copy_slot = st.copy_row[g].cpu().to(torch.int64), st.copy_slot[g].cpu().to(torch.int64)
+        copy = torch.where(has_slot & popping, copy_row[slot.clamp(min=0)], -1)
+        intact = (copy >= 0) & (copy_slot[copy.clamp(min=0)] == slot)
+        depth = scratch.copy_depth.cpu().to(torch.int64)[slot.clamp(min=0)]
+        back = takes_row & has_slot & intact & ((depth >= pops) | (copy == cpu_row))
+        clean = fills | back
+        refill = back & (copy != cpu_row)
+        dest = torch.where(popping, torch.where(has_slot & clean, copy, cpu_row), -1)
+        pushes = src >= G
+        rank = scratch.cpu_rank.cpu().to(torch.int64)[pos]
+        C = st.cpu_stack_size
+        bottom = (ctl[int(K.E_PUSH_BASE)] - before * fill + offsets[chunk, int(K.O_PUSH)] + rank) % C
+        filled = st.cpu_pos[g].cpu().to(torch.int64)[copy.clamp(min=0)]
+        push = torch.where(pushes, torch.where(fills, filled, bottom), -1)
+    flags = clean.to(torch.int64) * int(K.MF_CLEAN) + refill.to(torch.int64) * int(K.MF_REFILL)
+    words = torch.stack([pos, slot, cpu_row, dest, push, flags]).to(torch.int32)
+    scratch.moves[:, : j.numel()] = words.to(scratch.moves.device)
