@@ -20,6 +20,7 @@ from ulakv.kernels import apply as apply_mod
 from ulakv.kernels import common as K
 from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import lookup as lookup_mod
+from ulakv.kernels._triton import tl
 from ulakv.kernels.operands import as_words, readable_rows
 from ulakv.layouts.tiered_state import REFERENCE, TRITON, BufferState, TieredLayout
 from ulakv.transfer import Phase
@@ -213,14 +214,18 @@ def test_element_tiles_across_chunks_match_reference(policy, slots, monkeypatch:
         pool.check_invariants()
 
 
+@pytest.mark.parametrize("count_block", [None, 2], ids=["one-count-block", "count-blocks-of-2"])
 @pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(3)], ids=["lru", "pblru3"])
-def test_misses_found_across_many_chunks(policy, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Apply's workers find each miss's chunk by a binary search over the chunks' first misses: a
-    prepare of 5 chunks and a part (5,500 elements) whose chunks hold misses, only hits, only
-    padding, misses again, so that several chunks start at the same miss; 2 workers of 8-row
-    tiles stride over them; plan and apply equal their references word for word."""
+def test_misses_found_across_many_chunks(policy, count_block, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decide finds each chunk's offsets from the count rows of the blocks before it and the
+    counts before it in its block: a prepare of 5 chunks and a part (5,500 elements) whose chunks
+    hold misses, only hits, only padding, misses again, so that several chunks start at the same
+    miss; with blocks of 2 chunks, 3 blocks and a chunk alone in the last; 2 workers of 8-row tiles
+    stride over the misses; plan and apply equal their references word for word."""
     monkeypatch.setattr(apply_mod, "TILING", apply_mod.GPU_TILING)
     few_program_slots(monkeypatch, 2)
+    if count_block is not None:
+        monkeypatch.setattr(K, "COUNT_BLOCK", tl.constexpr(count_block))
     pool = small_pool(
         gpu_slots=500, cpu_slots=900, bytes_per_layer=4, num_layers=1, layers_per_group=1, policy=policy
     )

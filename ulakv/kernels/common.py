@@ -37,7 +37,8 @@ E_RING_AT = tl.constexpr(15)  # ... the ring index where block 0's first live pa
 E_RING_DROPPED = tl.constexpr(16)  # ... live pairs before the new head (victims, hits appended again)
 E_ROUND_BUCKET = tl.constexpr(17)  # PB-LRU: the bucket of the group's current round (round % R)
 E_MISSES = tl.constexpr(18)  # misses the plan moves (the chunks' summed): apply's workers stride over them
-CTL_WORDS = 19
+E_QUEUE_AT = tl.constexpr(19)  # exact LRU: the ring index of the call's first append (decide's offsets)
+CTL_WORDS = 20
 CTL_BLOCK = tl.constexpr(32)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.
@@ -100,7 +101,13 @@ C_NEED_CPU = tl.constexpr(2)  # ... of which are on the CPU now (a swap-in)
 C_CPU_FIRST = tl.constexpr(3)  # distinct addresses written in place on the CPU (write mode)
 COUNT_WORDS = 4
 
-# Per-chunk offsets the plan hands to apply (``chunk_off`` rows).
+# Chunks whose counts the classify programs add into one row of ``block_counts`` (the claim zeroes
+# it): the planning program sums the rows, 256 a step (one step up to 16,384 chunks: 16 M
+# elements), and each decide program finds its chunk's offsets from the rows before its block and
+# the counts before it in the block (at most 63 rows), so no program steps over every chunk.
+COUNT_BLOCK = tl.constexpr(64)
+
+# Per-chunk offsets the plan hands to apply (``chunk_off`` rows, written by decide).
 O_MISS = tl.constexpr(0)  # where the chunk's misses start in the victim list
 O_QUEUE = tl.constexpr(1)  # where its touches are appended to the LRU queue
 O_PUSH = tl.constexpr(2)  # its rank among the CPU rows freed by this call

@@ -39,19 +39,29 @@ import torch
 
 from . import common as K
 from ._triton import INTERPRETED, tl, triton
-from .victims import control_word, pop_index, pop_index_jit, victim_cleans, victim_slot, victim_slots
+from .victims import (
+    _count_rows,
+    control_word,
+    pop_index,
+    pop_index_jit,
+    victim_cleans,
+    victim_slot,
+    victim_slots,
+)
 
 # Misses a program decides a step. On a GPU at 4 warps 256 lanes are 2 a thread (the victim search
 # holds a few int64 words a lane); the interpreter pays per operation, so it takes a chunk at once.
 GPU_TILE = 256
 TILE = K.CHUNK if INTERPRETED else GPU_TILE
 DECIDE_WARPS = 4
+# Rows of ``block_counts`` a decide program sums a step (COUNT_BLOCK chunks a row).
+BLOCK_ROWS = tl.constexpr(256)
 
 
 # Not specialised: T and the sizes (vary per call or per pool, feed no vectorisable access), the
 # moves' capacity, and the alignment of group g's rows of [groups, ...] state.
 @triton.jit(
-    do_not_specialize=["T", "G", "C", "cap"],
+    do_not_specialize=["T", "G", "C", "Qcap", "cap"],
     do_not_specialize_on_alignment=["cpu_pos_ptr", "copy_row_ptr", "copy_slot_ptr"],
 )
 def decide_kernel(
@@ -59,8 +69,10 @@ def decide_kernel(
     T,
     G,
     C,
+    Qcap,
     home_ptr,
     counts_ptr,
+    block_counts_ptr,
     miss_pos_ptr,
     cpu_rank_ptr,
     chunk_off_ptr,
@@ -76,6 +88,7 @@ def decide_kernel(
     cap,
     CHUNK: tl.constexpr,
     TILE: tl.constexpr,
+    POLICY: tl.constexpr,
     CACHE: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -88,9 +101,28 @@ def decide_kernel(
         fill = control_word(ctl, K.E_FILL)
         pops = control_word(ctl, K.E_POPS)
         push_base = control_word(ctl, K.E_PUSH_BASE)
+        # The chunk's offsets: the counts of the chunks before it, from the rows of the blocks
+        # before its block (BLOCK_ROWS a step: one step up to 16 M elements) and the counts before
+        # it in its block (fewer than COUNT_BLOCK).
+        block = c // K.COUNT_BLOCK
+        prior = tl.zeros((4,), tl.int64)  # COUNT_WORDS
+        for b0 in range(0, block, BLOCK_ROWS):
+            rows = _count_rows(block_counts_ptr, b0 + tl.arange(0, BLOCK_ROWS), block)
+            prior += tl.sum(rows, axis=0)
+        in_block = block * K.COUNT_BLOCK + tl.arange(0, K.COUNT_BLOCK)
+        prior += tl.sum(_count_rows(counts_ptr, in_block, c), axis=0)
+        m_off = control_word(prior, K.C_NEED)  # misses before the chunk: its first miss's index
+        push_off = control_word(prior, K.C_NEED_CPU)  # misses from the CPU before it
+        q_off = m_off * 0  # PB-LRU keeps no ring
+        if POLICY == K.EXACT_LRU:
+            # Its first append's ring index: the hits before it and the misses before it that took
+            # a slot (victims go to misses in order) are appended before its own.
+            appended = control_word(prior, K.C_HITS) + tl.minimum(V, m_off)
+            q_off = K.wrap(control_word(ctl, K.E_QUEUE_AT) + appended, Qcap)  # appends <= G <= Qcap / 2
+        w = tl.arange(0, 4)
+        offsets = tl.where(w == K.O_MISS, m_off, tl.where(w == K.O_QUEUE, q_off, push_off))
+        tl.store(chunk_off_ptr + c * K.OFF_WORDS + w, offsets, mask=w < K.OFF_WORDS)
         n = tl.load(counts_ptr + c * K.COUNT_WORDS + K.C_NEED)
-        m_off = tl.load(chunk_off_ptr + c * K.OFF_WORDS + K.O_MISS)
-        push_off = tl.load(chunk_off_ptr + c * K.OFF_WORDS + K.O_PUSH)
         for r0 in range(0, n, TILE):
             r = r0 + tl.arange(0, TILE)
             live = r < n
@@ -147,8 +179,10 @@ def decide(st, g: int, scratch, T: int) -> int:
         T=T,
         G=st.gpu_slots,
         C=st.cpu_stack_size,
+        Qcap=st.q_slot.shape[1],
         home_ptr=scratch.home,
         counts_ptr=scratch.counts,
+        block_counts_ptr=scratch.block_counts,
         miss_pos_ptr=scratch.miss_pos,
         cpu_rank_ptr=scratch.cpu_rank,
         chunk_off_ptr=scratch.chunk_off,
@@ -164,6 +198,7 @@ def decide(st, g: int, scratch, T: int) -> int:
         cap=scratch.capacity,
         CHUNK=K.CHUNK,
         TILE=TILE,
+        POLICY=st.policy,
         CACHE=st.CACHE,
         num_warps=DECIDE_WARPS,
     )
@@ -177,8 +212,18 @@ def decide_reference(st, g: int, scratch, T: int) -> None:
     if ctl[int(K.E_LAST_STATUS)] != 0:
         return
     chunks = -(-T // K.CHUNK)
-    counts = scratch.counts[:chunks, int(K.C_NEED)].cpu().to(torch.int64)
-    offsets = scratch.chunk_off[:chunks].cpu()
+    # Each chunk's offsets: where its misses start, where its first append goes in the LRU ring,
+    # its misses from the CPU before it.
+    rows = scratch.counts[:chunks].cpu().to(torch.int64)
+    prior = torch.cumsum(rows, dim=0) - rows
+    m_off = prior[:, int(K.C_NEED)]
+    q_off = torch.zeros_like(m_off)
+    if st.policy == K.EXACT_LRU:
+        appended = prior[:, int(K.C_HITS)] + m_off.clamp(max=ctl[int(K.E_VICTIMS)])
+        q_off = (ctl[int(K.E_QUEUE_AT)] + appended) % st.q_slot.shape[1]
+    offsets = torch.stack([m_off, q_off, prior[:, int(K.C_NEED_CPU)]], dim=1)
+    scratch.chunk_off[:chunks] = offsets.to(scratch.chunk_off.device)
+    counts = rows[:, int(K.C_NEED)]
     chunk = torch.repeat_interleave(torch.arange(chunks), counts)
     j = torch.arange(int(counts.sum()))
     r = j - offsets[chunk, int(K.O_MISS)]

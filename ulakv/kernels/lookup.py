@@ -67,9 +67,24 @@ from .victims import (
 # (Before: 10 claim variants in tests/test_compile_variants.py's serving loop, about 4 s each on a GPU.)
 @triton.jit(do_not_specialize=["T", "N", "G"], do_not_specialize_on_alignment=["sel_ptr", "map_ptr"])
 def claim_kernel(
-    sel_ptr, T, N, G, map_ptr, claim_ptr, mark_ptr, ctl_ptr, WRITE: tl.constexpr, CHUNK: tl.constexpr
+    sel_ptr,
+    T,
+    N,
+    G,
+    map_ptr,
+    claim_ptr,
+    mark_ptr,
+    ctl_ptr,
+    block_counts_ptr,
+    WRITE: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    # The first chunk of each COUNT_BLOCK zeroes the row the classify programs add their counts
+    # into (a launch boundary orders it before them).
+    if pid % K.COUNT_BLOCK == 0:
+        word = tl.arange(0, 4)  # COUNT_WORDS
+        tl.store(block_counts_ptr + (pid // K.COUNT_BLOCK) * K.COUNT_WORDS + word, word * 0)
     pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     inb = pos < T
     a = tl.load(sel_ptr + pos, mask=inb, other=-1).to(tl.int64)
@@ -176,7 +191,7 @@ def classify_kernel(
     popped_ptr,
     cand_ptr,
     seg_ptr,
-    chunk_off_ptr,
+    block_counts_ptr,
     ring_ptr,
     ring_blocks_ptr,
     group_row_bytes,
@@ -239,11 +254,18 @@ def classify_kernel(
     tl.store(cpu_rank_ptr + pos, tl.cumsum(from_cpu.to(tl.int32), axis=0) - 1, mask=from_cpu)
     chunks = (T + CHUNK - 1) // CHUNK  # the launch may have more programs than chunks (below)
     if pid < chunks:
-        row = counts_ptr + pid * K.COUNT_WORDS
-        tl.store(row + K.C_HITS, tl.sum(hit.to(tl.int32), axis=0))
-        tl.store(row + K.C_NEED, tl.sum(need.to(tl.int32), axis=0))
-        tl.store(row + K.C_NEED_CPU, tl.sum((need & on_cpu).to(tl.int32), axis=0))
-        tl.store(row + K.C_CPU_FIRST, tl.sum((first & on_cpu).to(tl.int32), axis=0))
+        # The chunk's counts, one store, and added to its block's row (the planning program sums
+        # the rows: the acquire-release ticket below makes these adds visible to it).
+        word = tl.arange(0, 4)  # COUNT_WORDS
+        n_hits = tl.sum(hit.to(tl.int32), axis=0)
+        n_missed = tl.sum(need.to(tl.int32), axis=0)
+        n_from_cpu = tl.sum((need & on_cpu).to(tl.int32), axis=0)
+        n_cpu_first = tl.sum((first & on_cpu).to(tl.int32), axis=0)
+        row = tl.where(word == K.C_HITS, n_hits, tl.where(word == K.C_NEED, n_missed, 0))
+        row = tl.where(word == K.C_NEED_CPU, n_from_cpu, tl.where(word == K.C_CPU_FIRST, n_cpu_first, row))
+        tl.store(counts_ptr + pid * K.COUNT_WORDS + word, row)
+        at = block_counts_ptr + (pid // K.COUNT_BLOCK) * K.COUNT_WORDS + word
+        tl.atomic_add(at, row, sem="relaxed")
 
     # -- the tops of the free stacks, this program's share ---------------------------------------
     # A call pops at most T GPU slots and T CPU rows (one per miss), so the programs copy the top T
@@ -357,7 +379,7 @@ def classify_kernel(
         tl.debug_barrier()
         tl.store(ctl_ptr + K.E_ARRIVED, 0)
         victims_program(
-            counts_ptr,
+            block_counts_ptr,
             chunks,
             T,
             G,
@@ -378,7 +400,6 @@ def classify_kernel(
             claim_ptr,
             cand_ptr,
             seg_ptr,
-            chunk_off_ptr,
             group_row_bytes,
             layer_row_bytes,
             R,
@@ -434,6 +455,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         claim_ptr=claim,
         mark_ptr=mark,
         ctl_ptr=ctl,
+        block_counts_ptr=scratch.block_counts,
         WRITE=write,
         CHUNK=K.CHUNK,
     )
@@ -536,6 +558,10 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
             counts[int(K.C_NEED_CPU)] += need and on_cpu
             counts[int(K.C_CPU_FIRST)] += first and on_cpu
         scratch.counts[chunk] = torch.tensor(counts, dtype=scratch.counts.dtype)
+    chunks = -(-T // C)
+    for b in range(-(-chunks // int(K.COUNT_BLOCK))):  # the counts, COUNT_BLOCK chunks a row
+        rows = scratch.counts[b * int(K.COUNT_BLOCK) : min(chunks, (b + 1) * int(K.COUNT_BLOCK))]
+        scratch.block_counts[b] = rows.sum(dim=0).to(scratch.block_counts.dtype)
     # The tops of the free stacks, copied for the plan (at most one pop per element).
     n_free, n_cpu = int(st.gctl[g, int(K.G_GPU_FREE)]), int(st.gctl[g, int(K.G_CPU_FREE)])
     k = min(T, n_free)

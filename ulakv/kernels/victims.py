@@ -373,7 +373,7 @@ PLAN_LANES = {K.EXACT_LRU: 256, K.PBLRU: 256}
 
 @triton.jit
 def victims_program(
-    counts_ptr,
+    block_counts_ptr,
     P,
     T,
     G,
@@ -394,7 +394,6 @@ def victims_program(
     claim_ptr,
     cand_ptr,
     seg_ptr,
-    chunk_off_ptr,
     group_row_bytes,
     layer_row_bytes,
     R,
@@ -419,8 +418,11 @@ def victims_program(
     M = tl.zeros((), dtype=tl.int64)
     MC = tl.zeros((), dtype=tl.int64)
     CF = tl.zeros((), dtype=tl.int64)
-    for c0 in range(0, P, BLOCK):
-        counts = _count_rows(counts_ptr, c0 + ar, P)
+    # The chunks' counts, COUNT_BLOCK chunks a row (the classify programs added them): BLOCK rows
+    # a step, one step up to 16,384 chunks.
+    blocks = (P + K.COUNT_BLOCK - 1) // K.COUNT_BLOCK
+    for b0 in range(0, blocks, BLOCK):
+        counts = _count_rows(block_counts_ptr, b0 + ar, blocks)
         H += tl.sum(_column(counts, K.C_HITS), axis=0)
         M += tl.sum(_column(counts, K.C_NEED), axis=0)
         MC += tl.sum(_column(counts, K.C_NEED_CPU), axis=0)
@@ -607,38 +609,13 @@ def victims_program(
                 tail = head + live - dropped
                 round_tail = head + in_round - dropped
 
-        # -- per-chunk offsets: victim list, queue appends, CPU rows freed ---------------------------
-        m_run = tl.zeros((), dtype=tl.int64)
-        q_run = tail
-        # Queue offsets as ring indices, so that apply takes no remainder: one here, and the call's
-        # appends (at most G <= Qcap / 2) wrap once at most.
-        tail_at = tail % Qcap
-        push_run = tl.zeros((), dtype=tl.int64)
-        for c0 in range(0, P, BLOCK):
-            c = c0 + ar
-            cm = c < P
-            counts = _count_rows(counts_ptr, c, P)
-            need = _column(counts, K.C_NEED)
-            need_cpu = _column(counts, K.C_NEED_CPU)
-            hits = _column(counts, K.C_HITS)
-            m_off = m_run + tl.cumsum(need, axis=0) - need
-            with_victim = tl.minimum(tl.maximum(V - m_off, 0), need)
-            appended = hits + with_victim
-            q_off = m_off * 0  # PB-LRU keeps no ring
-            if POLICY == K.EXACT_LRU:
-                q_off = K.wrap(tail_at + (q_run - tail) + tl.cumsum(appended, axis=0) - appended, Qcap)
-            push_off = push_run + tl.cumsum(need_cpu, axis=0) - need_cpu
-            # One store of the three offsets a chunk (its O_MISS, O_QUEUE, O_PUSH words).
-            w = tl.arange(0, 4)[None, :]
-            offsets = tl.where(
-                w == K.O_MISS, m_off[:, None], tl.where(w == K.O_QUEUE, q_off[:, None], push_off[:, None])
-            )
-            tl.store(
-                chunk_off_ptr + c[:, None] * K.OFF_WORDS + w, offsets, mask=cm[:, None] & (w < K.OFF_WORDS)
-            )
-            m_run += tl.sum(need, axis=0)
-            q_run += tl.sum(appended, axis=0)
-            push_run += tl.sum(need_cpu, axis=0)
+        # -- the call's appends: its hits and the misses that take a slot, after the tail (each
+        # chunk's offsets are decide's: its programs' prefixes over the chunks' counts). The first
+        # as a ring index, so that apply takes no remainder: the call's appends (at most
+        # G <= Qcap / 2) wrap once at most.
+        queue_at = tail % Qcap
+        q_run = tail + H + tl.minimum(V, M)
+        push_run = MC
 
         # -- CPU rows: every miss past the free GPU slots pops one off the free list's top (for the
         # entry it evicts, or for itself when a write finds no slot), but a clean victim when the
@@ -667,11 +644,11 @@ def victims_program(
         if POLICY == K.PBLRU:
             round_bucket = rnd % R
         plan = tl.where(cw == K.E_ROUND_BUCKET, round_bucket, plan)
-        plan = tl.where(cw == K.E_MISSES, M, plan)
+        plan = tl.where(cw == K.E_MISSES, M, tl.where(cw == K.E_QUEUE_AT, queue_at, plan))
         planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE)
         planned = planned | (cw == K.E_SEGMENTS) | (cw == K.E_FILL) | (cw == K.E_POPS)
         planned = planned | (cw == K.E_RING_BLOCKS) | (cw == K.E_RING_AT) | (cw == K.E_RING_DROPPED)
-        planned = planned | (cw == K.E_ROUND_BUCKET) | (cw == K.E_MISSES)
+        planned = planned | (cw == K.E_ROUND_BUCKET) | (cw == K.E_MISSES) | (cw == K.E_QUEUE_AT)
         tl.store(ctl_ptr + cw, plan, mask=planned)
 
         # Counters, in one load and one store of the words that change. Evictions' bytes out are
@@ -809,15 +786,9 @@ def victims_reference(
             round_reads = tail - head0
             tail = head + live - dropped
             round_tail = head + in_round - dropped
-        # Per chunk: where its misses start, where its touches are appended, its rank among the
-        # CPU rows freed. Misses past the free GPU slots pop a CPU row each.
-        j, q_run, push_run = 0, tail, 0
-        for c in range(P):
-            need, hits = counts[c][int(K.C_NEED)], counts[c][int(K.C_HITS)]
-            scratch.chunk_off[c] = torch.tensor([j, q_run % st.q_slot.shape[1], push_run])
-            q_run += hits + max(0, min(V - j, need))
-            push_run += counts[c][int(K.C_NEED_CPU)]
-            j += need
+        # The call's appends (its hits, and its misses that take a slot) go after the tail; each
+        # chunk's offsets are decide's. Misses past the free GPU slots pop a CPU row each.
+        queue_at, q_run, push_run = tail % Qcap, tail + H + min(V, M), MC
         # Which victims go back to their copies, decided here from the state as the call began.
         clean = [False] * (V - k_free)
         if not st.CACHE:
@@ -843,6 +814,7 @@ def victims_reference(
         ctl[int(K.E_RING_DROPPED)] = dropped
         ctl[int(K.E_ROUND_BUCKET)] = int(gctl[int(K.G_ROUND)]) % bitmaps.R if bitmaps is not None else 0
         ctl[int(K.E_MISSES)] = M
+        ctl[int(K.E_QUEUE_AT)] = queue_at
         # The lists, read as the kernels read them, give the policy's victims in its order.
         listed = victim_slots(scratch, ctl.tolist(), torch.arange(k_free, V)).tolist()
         assert listed == victims[k_free:], (

@@ -272,6 +272,9 @@ class CallScratch(_Tensors):
     cpu_rank: torch.Tensor  # int32 [cap]: rank of a miss from the CPU among its chunk's such misses
     miss_pos: torch.Tensor  # int32 [chunks * CHUNK]: each chunk's misses, in order
     counts: torch.Tensor  # int32 [chunks, COUNT_WORDS]
+    block_counts: (
+        torch.Tensor
+    )  # int32 [chunks / COUNT_BLOCK, COUNT_WORDS]: the counts, COUNT_BLOCK chunks a row
     chunk_off: torch.Tensor  # int64 [chunks, OFF_WORDS]: miss, queue and CPU-push offsets
     victims: torch.Tensor  # int32 [cap]: the top of the free GPU-slot stack (the first victims)
     popped: torch.Tensor  # int32 [cap]: the top of the free CPU-row stack (the rows popped)
@@ -309,6 +312,7 @@ class CallScratch(_Tensors):
             cpu_rank=torch.empty(capacity, **i32),
             miss_pos=torch.empty(chunks * K.CHUNK, **i32),
             counts=torch.empty((chunks, K.COUNT_WORDS), **i32),
+            block_counts=torch.empty((triton.cdiv(chunks, int(K.COUNT_BLOCK)), K.COUNT_WORDS), **i32),
             chunk_off=torch.empty((chunks, K.OFF_WORDS), dtype=torch.int64, device=device),
             victims=torch.empty(capacity, **i32),
             popped=torch.empty(capacity, **i32),
@@ -331,12 +335,12 @@ class CallScratch(_Tensors):
             "home_ptr": self.home,
             "flags_ptr": self.flags,
             "counts_ptr": self.counts,
+            "block_counts_ptr": self.block_counts,
             "miss_pos_ptr": self.miss_pos,
             "miss_rank_ptr": self.miss_rank,
             "hit_rank_ptr": self.hit_rank,
             "cpu_rank_ptr": self.cpu_rank,
             "first_pos_ptr": self.first_pos,
-            "chunk_off_ptr": self.chunk_off,
             "victims_ptr": self.victims,
             "popped_ptr": self.popped,
             "cand_ptr": self.cand,
