@@ -82,3 +82,18 @@ def test_every_kernel_keeps_enough_warps_resident(variants: tuple[str, list[dict
         f"variants under {WARP_FLOOR} resident warps an SM "
         f"(kernel, flags, registers, warps, resident): {below}"
     )
+
+
+# The kernels that move rows hide HBM latency with warps: apply (reading the plan's moves, no
+# search) and gather keep 24 an SM or more (apply's tier variants 64-80 registers at 8 warps).
+ROW_WARP_FLOOR = 24
+
+
+def test_row_kernels_keep_more_warps_resident(variants: tuple[str, list[dict]]) -> None:
+    _, found = variants
+    below = sorted(
+        (v["kernel"], v["flags"], v["registers"], v["resident_warps"])
+        for v in found
+        if v["kernel"] in ("apply_kernel", "gather_kernel") and v["resident_warps"] < ROW_WARP_FLOOR
+    )
+    assert not below, f"row-moving variants under {ROW_WARP_FLOOR} resident warps an SM: {below}"

@@ -3,12 +3,13 @@ planning step of a call, after ``ulakv.kernels.lookup``).
 
 The last program of the lookup's ``classify`` launch to finish runs ``victims_program``, so planning
 costs no launch of its own (see ``ulakv.kernels.lookup``). Everything that grows with the misses was
-done before it, by every classify program side by side; what it does itself grows with the number
-of chunks and candidate segments over ``BLOCK`` (one step up to a million elements), not with the
-misses. Measured by ``benchmarks/critical_path.py``: a prepare's busiest programs add up to 129-133
-(exact LRU) and 165-171 (PB-LRU) memory operations at batch 16 and 64 x 3 x top-2048.
+done before it, by every classify program side by side; what it does itself steps over the count
+rows (``BLOCK`` = 256 rows a step: one step up to 16 M elements), the candidate segments as far as
+the victims reach (256 segments a step) and, compacting, the ring's blocks (256 blocks of ``CHUNK``
+pairs a step: 8 steps at a million slots), not over the misses or the chunks.
 
-1. Totals from the lookup's per-chunk counts; a prepare with more distinct addresses than the
+1. Totals from the lookup's count rows (``block_counts``: the classify programs added their
+   chunks' counts, ``COUNT_BLOCK`` chunks a row); a prepare with more distinct addresses than the
    layout's ``max_selection`` (GPU slots, or staging rows) fails here, before anything changed.
 2. Victims: free GPU slots first (the top of a stack, copied by the classify programs), then the
    policy's eviction candidates, which the classify programs listed in *segments* (``cand`` and
@@ -39,9 +40,9 @@ misses. Measured by ``benchmarks/critical_path.py``: a prepare's busiest program
    victim never lands in a row someone still lives in.
 4. Exact LRU, a compacting call: running totals of the ring blocks' live pairs, and the compacted
    ring's tail and round tail (apply's workers copy the pairs into place).
-5. Offsets per chunk so the apply kernel can work in parallel without atomics and still
-   deterministically: where each chunk's misses start in the victim list, where its touches are
-   appended to the queue, and its rank among the CPU rows freed by misses that came from the CPU.
+5. Where the call's LRU appends start (``E_QUEUE_AT``). Each chunk's offsets (where its misses
+   start in the victim list, where its touches are appended, its rank among the CPU rows freed)
+   are the next launch's, ``ulakv.kernels.decide``, one program a chunk, with each miss's moves.
 6. Counters, round and epoch bookkeeping; the call's status is published for the host and apply.
 """
 
