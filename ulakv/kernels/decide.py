@@ -28,9 +28,10 @@ and no pop of the call takes it: it lies deeper than the call's pops (its depth 
 taken by the classify), or it is the very row the victim popped. The words read here change only
 at commit, or by a pop of that very copy, which rules it out anyway.
 
-One program a chunk of the selection decides that chunk's misses, ``TILE`` at a time: no search
-for a miss's chunk, at most ``CHUNK / TILE`` steps a program whatever the batch or the pool, and a
-chunk without misses costs its program two loads.
+One program a chunk of the selection first writes its chunk's offsets (from the count rows of the
+blocks before its own and the counts before it in its block), then decides that chunk's misses,
+``TILE`` at a time: no search for a miss's chunk, at most ``CHUNK / TILE`` steps a program whatever
+the batch or the pool; a chunk without misses costs its program its offsets' loads and one store.
 """
 
 from __future__ import annotations
