@@ -296,7 +296,7 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
         # ring pairs faster than victims retire them, so the exact LRU ring compacts (a quarter alone
         # never compacted it at 64 K slots: the head's advance kept the ring's span under 2 G).
         order = torch.randperm(n, generator=gen)
-        compactions = 0
+        compactions, seg_blocks = 0, 0
         for call in range(sizes.scale_calls):
             hot = order[: (T // 4 if call < sizes.scale_calls * 5 // 8 else 3 * T // 4)]
             fresh = torch.randint(0, n, (T - hot.numel(),), generator=gen)
@@ -306,11 +306,18 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
                 plan = pool.plan(0, sel.to(where))
                 if pool is kernels:  # the ring blocks the plan compacts (0: none)
                     compactions += int(kernels._state.ctl[int(K.E_RING_BLOCKS)]) > 0
+                    seg_blocks = max(seg_blocks, int(kernels._state.ctl[int(K.E_SEG_BLOCKS)]))
                 pool.run(plan, until=Phase.IN, in_layers=range(0, 1))  # the engine's split
                 pool.run(plan)
             bad = same_state(kernels, refs)
             if bad is not None:
                 raise AssertionError(f"{policy}: kernels and references differ in {bad!r} after call {call}")
+            # Every block of candidate segments was sealed by its last lister, who reset its count
+            # (the acquire-release handshake between classify programs that only a GPU races).
+            if kernels._layout.scratch(T).seg_arrivals.any():
+                raise AssertionError(
+                    f"{policy}: a segment block's arrival count left non-zero after call {call}"
+                )
         stats = kernels.stats()
         if stats["clean_evictions"] == 0 or stats["clean_evictions"] == stats["victims"]:
             raise AssertionError(f"{policy}: evictions were not both clean and copying: tested too little")
@@ -326,6 +333,7 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
                 "victims": stats["victims"],
                 "clean_evictions": stats["clean_evictions"],
                 "ring_compactions": compactions,
+                "segment_blocks_summed": seg_blocks,
                 "bitmap_levels": len(level_offsets(G)) - 1,
                 "result": "bit-identical",
             }

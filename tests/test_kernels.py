@@ -20,6 +20,7 @@ from ulakv.kernels import apply as apply_mod
 from ulakv.kernels import common as K
 from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import lookup as lookup_mod
+from ulakv.kernels import segments
 from ulakv.kernels._triton import tl
 from ulakv.kernels.operands import as_words, readable_rows
 from ulakv.layouts.tiered_state import REFERENCE, TRITON, BufferState, TieredLayout
@@ -29,8 +30,10 @@ POISON = -7
 
 
 def poison(scratch) -> None:
-    for t in scratch.tensors().values():
-        t.fill_(POISON)
+    """Poison what a call writes before it reads (not the counts it carries to the next call)."""
+    for name, t in scratch.tensors().items():
+        if name not in scratch.CARRIED:
+            t.fill_(POISON)
 
 
 def apply_steps(layers: range, split: bool) -> list[tuple[tuple[int, int], range]]:
@@ -214,18 +217,27 @@ def test_element_tiles_across_chunks_match_reference(policy, slots, monkeypatch:
         pool.check_invariants()
 
 
-@pytest.mark.parametrize("count_block", [None, 2], ids=["one-count-block", "count-blocks-of-2"])
+def blocks_of(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Count rows of ``n`` chunks and blocks of ``n`` candidate segments (a power of two), so that
+    a test-sized call spans several of each."""
+    monkeypatch.setattr(K, "COUNT_BLOCK", tl.constexpr(n))
+    monkeypatch.setattr(segments, "SEG_BLOCK", tl.constexpr(n))
+    monkeypatch.setattr(segments, "LOG2_SEG_BLOCK", tl.constexpr(n.bit_length() - 1))
+
+
+@pytest.mark.parametrize("block", [None, 2], ids=["one-block", "blocks-of-2"])
 @pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(3)], ids=["lru", "pblru3"])
-def test_misses_found_across_many_chunks(policy, count_block, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_misses_found_across_many_chunks(policy, block, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decide finds each chunk's offsets from the count rows of the blocks before it and the
     counts before it in its block: a prepare of 5 chunks and a part (5,500 elements) whose chunks
     hold misses, only hits, only padding, misses again, so that several chunks start at the same
-    miss; with blocks of 2 chunks, 3 blocks and a chunk alone in the last; 2 workers of 8-row tiles
-    stride over the misses; plan and apply equal their references word for word."""
+    miss; with blocks of 2 chunks (and of 2 ring segments), 3 blocks and a chunk alone in the
+    last; 2 workers of 8-row tiles stride over the misses; plan and apply equal their references
+    word for word."""
     monkeypatch.setattr(apply_mod, "TILING", apply_mod.GPU_TILING)
     few_program_slots(monkeypatch, 2)
-    if count_block is not None:
-        monkeypatch.setattr(K, "COUNT_BLOCK", tl.constexpr(count_block))
+    if block is not None:
+        blocks_of(monkeypatch, block)
     pool = small_pool(
         gpu_slots=500, cpu_slots=900, bytes_per_layer=4, num_layers=1, layers_per_group=1, policy=policy
     )
@@ -242,6 +254,33 @@ def test_misses_found_across_many_chunks(policy, count_block, monkeypatch: pytes
     assert sel.numel() == 5 * 1024 + 310
     run_stagewise(pool, 0, sel)
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("block", [None, 2, 4], ids=["one-block", "blocks-of-2", "blocks-of-4"])
+def test_victims_found_across_segment_blocks(block, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PB-LRU over 2,100 GPU slots lists 3 slot ranges in each of 4 buckets: with blocks of 2
+    segments, 2 range blocks a bucket (the second holds one range and a padded slot), sealed by
+    whichever of 3 programs arrives last; prepares that take victims from the cold bucket and from
+    older rounds' buckets find each one by the two-level search. Plan and apply equal their
+    references word for word, every block's seal included, and the arrivals are back at zero."""
+    few_program_slots(monkeypatch, 3)
+    if block is not None:
+        blocks_of(monkeypatch, block)
+    pool = small_pool(
+        gpu_slots=2100, cpu_slots=1500, bytes_per_layer=4, num_layers=1, layers_per_group=1, policy=PBLRU(4)
+    )
+    gen, rng = torch.Generator().manual_seed(29), random.Random(29)
+    seq = pool.admit(3000)
+    run_stagewise(pool, 0, seq.addresses, random_rows(gen, 3000, 4), 0)  # 2,100 on the GPU
+    summed = set()
+    for step in range(4):
+        picks = rng.sample(range(3000), 700 + 150 * step)
+        run_stagewise(pool, 0, seq.addresses[picks])
+        summed.add(int(pool._state.ctl[int(K.E_SEG_BLOCKS)]))
+        assert not pool._layout.scratch(1).seg_arrivals.any()
+        pool.check_invariants()
+    if block == 2:
+        assert max(summed) > 2, summed  # victims past the cold bucket's blocks
 
 
 def test_lru_ring_compaction_matches_reference() -> None:

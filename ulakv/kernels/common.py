@@ -29,7 +29,9 @@ E_DISTINCT = tl.constexpr(7)  # distinct addresses of the call in flight (counte
 E_NEED = tl.constexpr(8)  # ... of which need a GPU slot (misses; a write's new entries): the next word
 E_MAX_SELECTION = tl.constexpr(9)  # most distinct addresses a prepare may select (set at build)
 E_ARRIVED = tl.constexpr(10)  # classify programs done this call; the last one plans, then clears it
-E_SEGMENTS = tl.constexpr(11)  # candidate segments the plan summed: those holding victims past free slots
+E_SEG_BLOCKS = tl.constexpr(
+    11
+)  # blocks of candidate segments the plan summed: those holding victims past free slots
 E_FILL = tl.constexpr(12)  # 1: clean victims pop no CPU row; their copies' places take their misses' rows
 E_POPS = tl.constexpr(13)  # CPU rows this call pops off the top of the free list
 E_RING_BLOCKS = tl.constexpr(14)  # exact LRU: ring blocks this call compacts (0: none; see victims)

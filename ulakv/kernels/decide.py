@@ -81,6 +81,7 @@ def decide_kernel(
     popped_ptr,
     cand_ptr,
     seg_ptr,
+    seg_blocks_ptr,
     copy_depth_ptr,
     cpu_pos_ptr,
     copy_row_ptr,
@@ -98,7 +99,7 @@ def decide_kernel(
     if control_word(ctl, K.E_LAST_STATUS) == 0:
         k_free = control_word(ctl, K.E_KFREE)
         V = control_word(ctl, K.E_VICTIMS)
-        segments = control_word(ctl, K.E_SEGMENTS)
+        seg_blocks = control_word(ctl, K.E_SEG_BLOCKS)
         fill = control_word(ctl, K.E_FILL)
         pops = control_word(ctl, K.E_POPS)
         push_base = control_word(ctl, K.E_PUSH_BASE)
@@ -132,7 +133,7 @@ def decide_kernel(
             src = tl.load(home_ptr + p, mask=live, other=0)
             has_slot = live & (j < V)
             v, counted_clean, before = victim_slot(
-                j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK
+                j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, seg_blocks_ptr, seg_blocks
             )
             popping = live & (j >= k_free)  # past the free slots: evicts, or takes a CPU row itself
             fills = tl.where(counted_clean, fill, 0) != 0  # filling, the plan's clean victims pop nothing
@@ -191,6 +192,7 @@ def decide(st, g: int, scratch, T: int) -> int:
         popped_ptr=scratch.popped,
         cand_ptr=scratch.cand,
         seg_ptr=scratch.seg,
+        seg_blocks_ptr=scratch.seg_blocks,
         copy_depth_ptr=scratch.copy_depth,
         cpu_pos_ptr=st.cpu_pos[g],
         copy_row_ptr=st.copy_row[g],

@@ -38,12 +38,19 @@ import torch
 
 from . import buckets, decide, round_end
 from . import common as K
+from . import segments as S
 from ._triton import tl, triton
 from .buckets import PBLRUBits
 from .grid import program_slots
+from .segments import (
+    arrive,
+    seal_reference,
+    segment_blocks,
+    store_segment,
+    store_segment_reference,
+)
 from .victims import (
     PLAN_LANES,
-    SEG_WORDS,
     _clean_candidates,
     _packed_candidates,
     clean_candidates_reference,
@@ -55,7 +62,6 @@ from .victims import (
     ring_compaction_due_reference,
     ring_live,
     ring_live_reference,
-    store_segment,
     victims_program,
     victims_reference,
 )
@@ -191,6 +197,8 @@ def classify_kernel(
     popped_ptr,
     cand_ptr,
     seg_ptr,
+    seg_blocks_ptr,
+    seg_arrivals_ptr,
     block_counts_ptr,
     ring_ptr,
     ring_blocks_ptr,
@@ -346,6 +354,7 @@ def classify_kernel(
         # A call whose misses all fit the free slots takes no victim: nothing to list (a write of
         # new tokens while the GPU tier fills), so the programs past the chunks stop here.
         ranges = (G + CHUNK - 1) // CHUNK
+        range_blocks = (ranges + S.SEG_BLOCK - 1) // S.SEG_BLOCK
         listed_ranges = tl.where(pops > 0, ranges, 0)
         cur_bucket = cur % R  # one remainder: the buckets below step from it
         for q in range(pid, listed_ranges, tl.num_programs(0)):
@@ -359,6 +368,9 @@ def classify_kernel(
                 )
             unprotected = valid & (tl.load(mark_ptr + slot, mask=valid, other=0) != epoch)
             listed = tl.zeros((), dtype=tl.int64)
+            # Candidate order: bucket by bucket, ranges in order; SEG_BLOCK ranges of a bucket
+            # make a block, and the last lister of a range block seals its R blocks.
+            qb = (tl.zeros((), tl.int64) + q) // S.SEG_BLOCK
             for i in range(0, R):
                 bucket = tl.where(i == 0, R, K.wrap(cur_bucket + i, R)).to(tl.int64)
                 word = tl.load(bits_ptr + bucket * BW + slot // 32, mask=valid, other=0)
@@ -366,10 +378,24 @@ def classify_kernel(
                 list_rank = tl.cumsum(eligible.to(tl.int64), axis=0) - 1
                 packed, n_clean = _packed_candidates(slot, clean, eligible)
                 tl.store(cand_ptr + at + listed + list_rank, packed, mask=eligible)
-                k = (tl.zeros((), tl.int64) + i) * ranges + q  # candidate order: bucket by bucket
+                k = ((tl.zeros((), tl.int64) + i) * range_blocks + qb) * S.SEG_BLOCK + (q - qb * S.SEG_BLOCK)
                 n = tl.sum(eligible.to(tl.int64), axis=0)
                 store_segment(seg_ptr, k, at + listed, n, n_clean, True)
                 listed += n
+
+    # -- the blocks of segments this program listed in: their last lister seals them --------------
+    # (here, at the end, where little else is live: sealing beside the listing's vectors took exact
+    # LRU's classify from 110 to 128 registers and a spill)
+    if POLICY == K.EXACT_LRU:
+        if pid < chunks:  # segment p, in block p // SEG_BLOCK
+            seg_block = pid // S.SEG_BLOCK
+            size = tl.minimum(S.SEG_BLOCK, chunks - seg_block * S.SEG_BLOCK)
+            arrive(seg_ptr, seg_blocks_ptr, seg_arrivals_ptr, seg_block, seg_block, 1, 1, size, 1)
+    else:
+        for q in range(pid, listed_ranges, tl.num_programs(0)):  # range q's R segments
+            qb = (tl.zeros((), tl.int64) + q) // S.SEG_BLOCK
+            size = tl.minimum(S.SEG_BLOCK, ranges - qb * S.SEG_BLOCK)
+            arrive(seg_ptr, seg_blocks_ptr, seg_arrivals_ptr, qb, qb, range_blocks, R, size, S.SEAL_ROWS)
 
     # -- the last program to arrive plans the call --------------------------------------------------
     P = tl.num_programs(0)
@@ -400,6 +426,7 @@ def classify_kernel(
             claim_ptr,
             cand_ptr,
             seg_ptr,
+            seg_blocks_ptr,
             group_row_bytes,
             layer_row_bytes,
             R,
@@ -414,18 +441,18 @@ def classify_kernel(
 
 # The classify launch's shape, read from the sm_90 cubins (``python -m ulakv.kernels.compile_check``):
 # a thread's registers are the most any path of the kernel needs, and the planning program (one
-# program of the launch) needed the most. At 8 warps a CHUNK of 1,024 elements is 4 a thread, and
-# exact LRU's planning program over 256 lanes a step fits too: 105-124 registers, 16 resident warps
-# an SM (4 warps and 1,024 lanes: 240-255 registers, 8 warps); its planning program takes one more
-# step per 256 chunks or ring blocks. PB-LRU's listing of every bucket of a slot range holds more a
-# thread: at 16 warps (2 slots a thread) and 256 planning lanes it takes 116-128 registers, the most
-# a 512-thread program may hold, with no spill: 16 resident warps (8 warps and 1,024 lanes: 164-200,
-# 8; 16 warps and 1,024 lanes spill 32-48 B). Its planning program sums the bucket segments' counts
-# only as far as the victims reach (the cold bucket's first), so 256 lanes a step cost it steps only
-# when the victims lie deep. Neither policy takes a 64-bit remainder by a runtime value over a
-# block or in a loop (see ``common.wrap``): sm_90 has no such instruction, and the routine ptxas
-# calls spills the caller's live registers around it.
-CLASSIFY_WARPS = {K.EXACT_LRU: 8, K.PBLRU: 16}
+# program of the launch) needed the most, with the rare listing of more ring segments (exact LRU)
+# the heaviest part of it. Both policies run 16 warps a program (2 elements of a CHUNK a thread):
+# 85-128 registers, the most a 512-thread program may hold, with no spill, 16 resident warps an
+# SM. Exact LRU ran 8 warps (92-110 registers, 16 warps) until its planning program summed
+# blocks of candidate segments: then ptxas held 8-warp variants at 128 registers and spilled
+# 8-16 B (4 warps and 1,024 lanes: 240-255, 8 warps). PB-LRU at 8 warps and 1,024 lanes: 164-200,
+# 8 warps; 16 warps and 1,024 lanes spill 32-48 B. Both planning programs sum the candidate
+# segments' blocks, 256 a step (one step up to 16,384 segments, ``segments``). Neither policy
+# takes a 64-bit remainder by a runtime value over a block or in a loop (see ``common.wrap``):
+# sm_90 has no such instruction, and the routine ptxas calls spills the caller's live registers
+# around it.
+CLASSIFY_WARPS = {K.EXACT_LRU: 16, K.PBLRU: 16}
 
 
 def classify_programs(st, T: int) -> int:
@@ -569,26 +596,27 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
     if not st.CACHE:
         free_rows = st.free_cpu_rows(g).flip(0)[: min(T, n_cpu)]  # top first
         scratch.popped[: free_rows.numel()] = free_rows.to(scratch.popped.device)
-    pops, sw = need_pops(st, g), int(SEG_WORDS)
+    pops = need_pops(st, g)
 
     def list_segment(k: int, at: int, slots: list[int]) -> None:
-        """Segment ``k``: its candidates at ``cand[at:]``, and its words (lengths one segment on)."""
+        """Segment slot ``k``: its candidates at ``cand[at:]``, and its words."""
         clean = [False] * len(slots)
         if not st.CACHE:
             clean = clean_candidates_reference(st, g, slots, pops, scratch)
         packed = packed_candidates_reference(slots, clean)
         scratch.cand[at : at + len(slots)] = torch.tensor(packed, dtype=torch.int64)
-        scratch.seg[sw * k + 1] = at
-        scratch.seg[sw * k + sw] = len(slots)
-        scratch.seg[sw * k + sw + 2] = sum(clean)
+        store_segment_reference(scratch, k, at, len(slots), sum(clean))
 
+    n = int(S.SEG_BLOCK)
     if st.policy == K.EXACT_LRU:
         gctl = st.gctl[g]
         head = int(gctl[int(K.G_HEAD)])
         limit = int(gctl[int(K.G_ROUND_TAIL)] if write else gctl[int(K.G_TAIL)])
-        for chunk in range(-(-T // C)):
+        for chunk in range(chunks):
             slots = ring_candidates_reference(st, g, head + chunk * C, min(limit, head + (chunk + 1) * C))
             list_segment(chunk, chunk * C, slots)
+        for b in range(segment_blocks(chunks)):  # what each block's last lister seals
+            seal_reference(scratch, b, 1, 1, min(n, chunks - b * n))
         tail = int(gctl[int(K.G_TAIL)])
         if ring_compaction_due_reference(head, tail, T, G, st.q_slot.shape[1]):
             for b in range(-(-(tail - head) // C)):  # the ring's blocks up to its tail, packed
@@ -600,6 +628,7 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
         bitmaps = PBLRUBits(st, g)
         cur = int(st.gctl[g, int(K.G_ROUND)]) + (0 if write else 1)
         ranges = -(-G // C)
+        range_blocks = segment_blocks(ranges)
         listed_ranges = ranges if pops > 0 else 0  # no victim to take: nothing listed
         if not st.CACHE and listed_ranges:  # each range's copies, whatever their bucket: one pass
             clean_candidates_reference(st, g, list(range(G)), pops, scratch)
@@ -609,8 +638,10 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
                 bucket = bitmaps.R if i == 0 else (cur + i) % bitmaps.R
                 held = sorted(s for s in bitmaps.sets[bucket] if q * C <= s < (q + 1) * C)
                 slots = [s for s in held if int(mark[s]) != epoch]
-                list_segment(i * ranges + q, q * C + listed, slots)
+                list_segment((i * range_blocks + q // n) * n + q % n, q * C + listed, slots)
                 listed += len(slots)
+        for qb in range(segment_blocks(listed_ranges)):  # each range block's last lister seals
+            seal_reference(scratch, qb, range_blocks, bitmaps.R, min(n, ranges - qb * n))
     ctl[int(K.E_STATUS)] |= status
     go = status == 0 and (write or int(ctl[int(K.E_DISTINCT)]) <= int(ctl[int(K.E_MAX_SELECTION)]))
     if st.policy == K.PBLRU and go:

@@ -4,9 +4,10 @@ planning step of a call, after ``ulakv.kernels.lookup``).
 The last program of the lookup's ``classify`` launch to finish runs ``victims_program``, so planning
 costs no launch of its own (see ``ulakv.kernels.lookup``). Everything that grows with the misses was
 done before it, by every classify program side by side; what it does itself steps over the count
-rows (``BLOCK`` = 256 rows a step: one step up to 16 M elements), the candidate segments as far as
-the victims reach (256 segments a step) and, compacting, the ring's blocks (256 blocks of ``CHUNK``
-pairs a step: 8 steps at a million slots), not over the misses or the chunks.
+rows (``BLOCK`` = 256 rows a step: one step up to 16 M elements), the blocks of candidate segments
+(256 blocks a step: one step up to 16,384 segments) and, compacting, the ring's blocks (256 blocks
+of ``CHUNK`` pairs a step: 8 steps at a million slots), not over the misses, the chunks or the
+segments.
 
 1. Totals from the lookup's count rows (``block_counts``: the classify programs added their
    chunks' counts, ``COUNT_BLOCK`` chunks a row); a prepare with more distinct addresses than the
@@ -19,25 +20,27 @@ pairs a step: 8 steps at a million slots), not over the misses or the chunks.
      version and appends it, so older pairs turn stale (lazy deletion). Program p lists the live
      pairs of unprotected slots among ring positions ``head + p * CHUNK ..`` (``_ring_candidates``);
      entries of the current round lie past ``round_tail`` and are never listed. Here: running
-     totals of the lists, more segments one after another in the rare case they fall short, and
-     the new head (the position of the last victim, found in its segment). When stale pairs could
-     overflow the ring, the call compacts it across the grid (``ring_compaction_due``, below).
+     totals of the lists' blocks, more segments one after another in the rare case they fall
+     short, and the new head (the position of the last victim, found in its segment). When stale
+     pairs could overflow the ring, the call compacts it across the grid (``ring_compaction_due``,
+     below).
    * PB-LRU: cold, then the ring buckets oldest first, lower slots first, never the current round's
      bucket; segment (bucket, range of CHUNK slots) is listed by the program of that range. Here:
-     running totals, and the round's end (the bucket about to be reused joins cold). Taken slots
-     leave their bucket at commit (``ulakv.kernels.apply``).
+     running totals of the lists' blocks. Taken slots leave their bucket at commit
+     (``ulakv.kernels.apply``); the round's end is a launch of its own (``round_end``).
 
-   Victim ``j`` is then the ``j - k_free``-th candidate: ``victim_slot`` finds its segment by a
-   binary search over the running totals.
+   The lists' blocks were sealed by their last listers (``ulakv.kernels.segments``). Victim ``j``
+   is then the ``j - k_free``-th candidate: ``victim_slot`` finds its segment by a binary search
+   over the blocks' running totals, then one within its block.
 3. Clean victims. Each candidate in ``cand`` carries whether its eviction is clean (its entry's
    copy, a free CPU row that still holds its bytes, lies deeper in the free list than the call can
-   pop) and how many clean candidates precede it in its segment; ``seg`` keeps running totals of
-   both, so ``victim_slot`` gives every victim the number of clean victims before it. A prepare
-   whose misses all come from the CPU *fills*: its clean victims pop no CPU row (the others pop the
-   top rows in order, victim ``i`` the ``i - clean_before(i)``-th) and the row each clean victim's
-   miss leaves takes its copy's place in the free list. Otherwise every miss past the free GPU
-   slots pops a row (for its victim, or for itself in a write that found no slot). Either way a
-   victim never lands in a row someone still lives in.
+   pop) and how many clean candidates precede it in its segment; the segments' and blocks' words
+   keep running totals of both, so ``victim_slot`` gives every victim the number of clean victims
+   before it. A prepare whose misses all come from the CPU *fills*: its clean victims pop no CPU
+   row (the others pop the top rows in order, victim ``i`` the ``i - clean_before(i)``-th) and the
+   row each clean victim's miss leaves takes its copy's place in the free list. Otherwise every
+   miss past the free GPU slots pops a row (for its victim, or for itself in a write that found no
+   slot). Either way a victim never lands in a row someone still lives in.
 4. Exact LRU, a compacting call: running totals of the ring blocks' live pairs, and the compacted
    ring's tail and round tail (apply's workers copy the pairs into place).
 5. Where the call's LRU appends start (``E_QUEUE_AT``). Each chunk's offsets (where its misses
@@ -51,8 +54,21 @@ from __future__ import annotations
 import torch
 
 from . import common as K
+from . import segments as S
 from ._triton import tl, triton
 from .buckets import PBLRUBits
+from .segments import (
+    find_last_segment,
+    find_segment,
+    find_segment_reference,
+    seal_listed_here,
+    seal_listed_here_reference,
+    segment_blocks,
+    store_segment,
+    store_segment_reference,
+    sum_blocks,
+    sum_blocks_reference,
+)
 
 
 @triton.jit
@@ -185,20 +201,6 @@ CAND_BEFORE_SHIFT = tl.constexpr(33)
 CAND_SLOT_MASK = tl.constexpr(0xFFFFFFFF)
 # Lanes of a step of the planning program's rare listing of more ring segments (victims_program).
 EXTEND_LANES = tl.constexpr(256)
-# A segment's words in ``seg``: candidates before it, where its list starts in cand, clean candidates
-# before it. The classify stores a segment's lengths one segment on (its next's first words).
-SEG_WORDS = tl.constexpr(3)
-
-
-@triton.jit
-def store_segment(seg_ptr, k, start, length, clean, listed):
-    """Segment ``k``'s words in one store: where its list starts in ``cand`` (word 3k + 1), and its
-    length and clean count (or, once summed, the running totals through it), which sit one segment
-    on (words 3k + 3 and 3k + 5: the next segment's first rank and clean before it). Nothing when
-    ``listed`` is false (a launch may have programs past its segments)."""
-    w = tl.arange(0, 4)
-    words = tl.where(w == 0, start, tl.where(w == 1, length, clean))
-    tl.store(seg_ptr + SEG_WORDS * k + 1 + 2 * w, words, mask=w < tl.where(listed, 3, 0))
 
 
 @triton.jit
@@ -279,27 +281,15 @@ pop_index_jit = triton.jit(pop_index)
 
 
 @triton.jit
-def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK: tl.constexpr):
+def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, seg_blocks_ptr, blocks):
     """Victim ``j`` (a miss's index in the call's miss order): the free-stack copy for ``j < k_free``,
-    else candidate ``j - k_free`` of the segmented list, found by a binary search over the segment
-    starts: ceil(log2(segments)) loads (9 at batch 64 x 3 x 2048 under exact LRU), whatever the
-    misses. Returns its GPU slot, whether its eviction is clean, and how many victims before it are."""
+    else candidate ``j - k_free`` of the segmented lists (``segments.find_segment``: ceil(log2(blocks))
+    + 6 loads, 13 at a million PB-LRU slots, whatever the misses). Returns its GPU slot, whether its
+    eviction is clean, and how many victims before it are."""
     free = mask & (j < k_free)
     taken = mask & (j >= k_free)
     r = (j - k_free).to(tl.int64)
-    base = tl.zeros_like(r)
-    size = segments + 0
-    while size > 1:
-        half = size // 2
-        below = tl.load(seg_ptr + SEG_WORDS * (base + half), mask=taken, other=0) <= r
-        base = tl.where(below, base + half, base)
-        size -= half
-    # The segment's three words in one load: its first rank, its place in cand, clean before it.
-    w = tl.arange(0, 4)[None, :]
-    words = tl.load(seg_ptr + SEG_WORDS * base[:, None] + w, mask=taken[:, None] & (w < SEG_WORDS), other=0)
-    start = tl.sum(tl.where(w == 0, words, 0), axis=1)
-    at = tl.sum(tl.where(w == 1, words, 0), axis=1)
-    clean_base = tl.sum(tl.where(w == 2, words, 0), axis=1)
+    _, start, clean_base, at = find_segment(r, taken, seg_ptr, seg_blocks_ptr, blocks)
     packed = tl.load(cand_ptr + at + (r - start), mask=taken, other=0)
     listed = (packed & CAND_SLOT_MASK).to(tl.int32)
     slot = tl.where(free, tl.load(victims_ptr + j, mask=free, other=0), listed)
@@ -310,17 +300,13 @@ def victim_slot(j, mask, k_free, victims_ptr, cand_ptr, seg_ptr, segments, CHUNK
 def _victim_entries(scratch, ctl: list[int], j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Host twin of ``victim_slot``'s search for victim indices ``j`` past the free slots (int64,
     CPU): each one's packed candidate word and its segment's clean count before it."""
-    k_free, segments = ctl[int(K.E_KFREE)], ctl[int(K.E_SEGMENTS)]
-    if segments == 0:  # no victim past the free slots: the plan listed no segment
+    k_free, blocks = ctl[int(K.E_KFREE)], ctl[int(K.E_SEG_BLOCKS)]
+    if blocks == 0:  # no victim past the free slots: the plan summed no segment
         return torch.zeros_like(j), torch.zeros_like(j)
-    sw = int(SEG_WORDS)
-    seg = scratch.seg.cpu()
-    starts = seg[0 : sw * segments : sw].contiguous()
     r = (j - k_free).clamp(min=0)
-    s = (torch.searchsorted(starts, r, right=True) - 1).clamp(min=0)
+    _, start, clean_before, at = find_segment_reference(scratch, blocks, r)
     cand = scratch.cand.cpu()
-    packed = cand[(seg[sw * s + 1] + r - starts[s]).clamp(min=0, max=cand.numel() - 1)]
-    return packed, seg[sw * s + 2]
+    return cand[(at + r - start).clamp(min=0, max=cand.numel() - 1)], clean_before
 
 
 def victim_location(scratch, ctl: list[int], j: int) -> tuple[torch.Tensor, int]:
@@ -328,11 +314,9 @@ def victim_location(scratch, ctl: list[int], j: int) -> tuple[torch.Tensor, int]
     a candidate's word also holds its clean bit and count, see ``plant_victim``)."""
     if j < ctl[int(K.E_KFREE)]:
         return scratch.victims, j
-    r = j - ctl[int(K.E_KFREE)]
-    sw = int(SEG_WORDS)
-    seg = scratch.seg[: sw * ctl[int(K.E_SEGMENTS)]].tolist()
-    s = max(i for i, start in enumerate(seg[0::sw]) if start <= r)
-    return scratch.cand, seg[sw * s + 1] + r - seg[sw * s]
+    r = torch.tensor([j - ctl[int(K.E_KFREE)]])
+    _, start, _, at = find_segment_reference(scratch, ctl[int(K.E_SEG_BLOCKS)], r)
+    return scratch.cand, int(at + r - start)
 
 
 def plant_victim(scratch, ctl: list[int], j: int, slot: int) -> int:
@@ -395,6 +379,7 @@ def victims_program(
     claim_ptr,
     cand_ptr,
     seg_ptr,
+    seg_blocks_ptr,
     group_row_bytes,
     layer_row_bytes,
     R,
@@ -455,45 +440,28 @@ def victims_program(
         got = tl.zeros((), dtype=tl.int64)
         scanned = tl.zeros((), dtype=tl.int64)
         round_reads = tl.zeros((), dtype=tl.int64)
-        # -- then the policy's candidates, listed segment by segment by the classify programs:
-        # running totals of the lists' lengths (seg[3s] = candidates before segment s) ------------
+        # -- then the policy's candidates, listed segment by segment by the classify programs,
+        # whose last lister of each block of SEG_BLOCK segments sealed it: running totals of the
+        # blocks, one step up to 16,384 segments, and only as far as the victims reach (victims
+        # are found among these blocks alone: E_SEG_BLOCKS) --------------------------------------
         if POLICY == K.EXACT_LRU:
-            segments = P.to(tl.int64)  # one segment of the ring a program
-        else:
-            segments = (R * ((G + CHUNK - 1) // CHUNK)).to(tl.int64)  # every bucket, every slot range
-        # (Segment s's lengths sit in segment s + 1's words: candidates at 3s + 3, clean at 3s + 5.)
-        # Only as far as the victims reach: the block of segments whose lists hold the last victim
-        # ends the loop, so its steps follow the victims' spread, not the lists' number (PB-LRU:
-        # num_buckets x slots / CHUNK, 8,192 at 1 M slots; the cold bucket's come first). Victims
-        # are found among these segments alone (E_SEGMENTS).
-        listed = segments
-        pair = tl.arange(0, 2)
-        tl.store(seg_ptr + 2 * pair, tl.zeros((2,), tl.int64))
-        run = tl.zeros((), dtype=tl.int64)
-        clean_run = tl.zeros((), dtype=tl.int64)
-        s0 = tl.zeros((), dtype=tl.int64)
-        while (s0 < listed) & (run < want):
-            c = s0 + ar
-            at = SEG_WORDS * c[:, None] + SEG_WORDS + 2 * pair[None, :]
-            cm = (c < segments)[:, None] & (pair[None, :] < 2)
-            count = tl.load(seg_ptr + at, mask=cm, other=0)
-            totals = tl.where(pair[None, :] == 0, run, clean_run) + tl.cumsum(count, axis=0)
-            tl.store(seg_ptr + at, totals, mask=cm)
-            lengths = tl.sum(count, axis=0)  # [candidates, clean] of this block of segments
-            run += tl.sum(tl.where(pair == 0, lengths, 0), axis=0)
-            clean_run += tl.sum(tl.where(pair == 1, lengths, 0), axis=0)
-            s0 += BLOCK
-        segments = tl.minimum(listed, s0)
+            cand_blocks = (P + S.SEG_BLOCK - 1) // S.SEG_BLOCK  # one ring segment a chunk of the call
+        else:  # every bucket's slot ranges, SEG_BLOCK ranges a block
+            cand_blocks = R * ((G + CHUNK * S.SEG_BLOCK - 1) // (CHUNK * S.SEG_BLOCK))
+        cand_blocks, run, clean_run = sum_blocks(seg_blocks_ptr, cand_blocks.to(tl.int64), want, BLOCK)
         if POLICY == K.EXACT_LRU:
             # Rarely (stale or protected pairs crowd the ring's head) the lists fall short: list more
-            # segments here, one after another, EXTEND_LANES positions a step: a segment's CHUNK
-            # lanes at once took this rare path to the register ceiling, and with it every program
-            # of the launch (exact LRU's classify: 254 -> 122 registers a thread at 8 warps).
-            while (run < want) & (head + segments * CHUNK < round_tail):
+            # segments of the ring here, one after another, EXTEND_LANES positions a step (a
+            # segment's CHUNK lanes at once took this rare path to the register ceiling, and with
+            # it every program of the launch: exact LRU's classify 254 -> 122 registers a thread),
+            # in blocks of their own after the sealed ones, each block's start kept as it begins.
+            extra = tl.zeros((), dtype=tl.int64)  # segments listed here, after ring segment P - 1
+            while (run < want) & (head + (P + extra) * CHUNK < round_tail):
+                ring_seg = P + extra
                 n = tl.zeros((), dtype=tl.int64)
                 n_clean = tl.zeros((), dtype=tl.int64)
                 for sub in range(0, CHUNK, EXTEND_LANES):
-                    off = segments * CHUNK + sub + tl.arange(0, EXTEND_LANES)
+                    off = ring_seg * CHUNK + sub + tl.arange(0, EXTEND_LANES)
                     eligible, s = _ring_candidates(
                         head, off, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
                     )
@@ -513,26 +481,30 @@ def victims_program(
                         )
                     packed, step_clean = _packed_candidates(s, clean, eligible, n_clean)
                     rank = n + tl.cumsum(eligible.to(tl.int64), axis=0) - 1
-                    tl.store(cand_ptr + segments * CHUNK + rank, packed, mask=eligible)
+                    tl.store(cand_ptr + ring_seg * CHUNK + rank, packed, mask=eligible)
                     n += tl.sum(eligible.to(tl.int64), axis=0)
                     n_clean += step_clean
+                store_segment(seg_ptr, cand_blocks * S.SEG_BLOCK + extra, ring_seg * CHUNK, n, n_clean, True)
                 run += n
                 clean_run += n_clean
-                store_segment(seg_ptr, segments, segments * CHUNK, run, clean_run, True)
-                segments += 1
+                extra += 1
+            if extra > 0:
+                # Sealed after the loop, where little else is live (sealing each segment in the
+                # loop took the planning program past 128 registers and spilled).
+                tl.debug_barrier()  # the segments' words stored above, before other lanes load them
+                seal_listed_here(seg_ptr, seg_blocks_ptr, cand_blocks, extra)
+            cand_blocks += (extra + S.SEG_BLOCK - 1) // S.SEG_BLOCK
         got = tl.minimum(run, want)
-        # Every lane's running totals (the prefix loop's and the extension's stores to seg) before
-        # any lane reads another's below: the search for the last segment, and its start.
+        # Every lane's running totals (sum_blocks' and the extension's stores) before any lane
+        # reads another's below: the search for the last victim's segment.
         tl.debug_barrier()
-        # The segment of the last victim: the first whose running total reaches got.
-        last_seg = segments
+        last_start = tl.zeros((), dtype=tl.int64)  # the last victim's segment: candidates before it,
+        last_clean = tl.zeros((), dtype=tl.int64)  # clean ones before it, its list's place in cand
+        last_at = tl.zeros((), dtype=tl.int64)
         if got > 0:
-            for c0 in range(0, segments.to(tl.int32), BLOCK):
-                c = c0 + ar
-                total = tl.load(seg_ptr + SEG_WORDS * c + SEG_WORDS, mask=c < segments, other=0)
-                last_seg = tl.minimum(
-                    last_seg, tl.min(tl.where((c < segments) & (total >= got), c, segments), axis=0)
-                )
+            _, last_start, last_clean, last_at = find_last_segment(
+                got - 1, seg_ptr, seg_blocks_ptr, cand_blocks, BLOCK
+            )
         # A prepare whose misses all come from the CPU fills: a clean victim pops no row, and the row
         # its miss leaves takes its copy's place in the free list (apply). Otherwise (a write, or a
         # prepare of an entry never written: a miss with no row to leave) every victim pops one.
@@ -542,30 +514,27 @@ def victims_program(
             if not CACHE:
                 fill = (MC == M).to(tl.int64)
                 if (fill != 0) & (got > 0):
-                    w = tl.arange(0, 4)
-                    words = tl.load(seg_ptr + SEG_WORDS * last_seg + w, mask=w < SEG_WORDS, other=0)
-                    start = tl.sum(tl.where(w == 0, words, 0), axis=0)
-                    at = tl.sum(tl.where(w == 1, words, 0), axis=0)
-                    bit, in_segment = _unpacked_clean(tl.load(cand_ptr + at + (got - 1 - start)))
-                    n_clean = tl.sum(tl.where(w == 2, words, 0), axis=0) + in_segment + bit
+                    bit, in_segment = _unpacked_clean(tl.load(cand_ptr + last_at + (got - 1 - last_start)))
+                    n_clean = last_clean + in_segment + bit
         if POLICY == K.EXACT_LRU:
             new_head = head
             if want > 0:
                 new_head = round_tail
                 if run >= want:
                     # The last victim's ring position, in its segment.
-                    qi = head + last_seg * CHUNK + tl.arange(0, CHUNK)
+                    # (an exact LRU segment's list starts at its ring segment's offset in cand)
+                    qi = head + last_at + tl.arange(0, CHUNK)
                     eligible, s = _ring_candidates(
                         head, qi - head, round_tail, q_slot_ptr, q_ver_ptr, Qcap, ver_ptr, mark_ptr, epoch
                     )
-                    rank = tl.load(seg_ptr + SEG_WORDS * last_seg) + tl.cumsum(eligible.to(tl.int64), axis=0)
+                    rank = last_start + tl.cumsum(eligible.to(tl.int64), axis=0)
                     new_head = tl.max(tl.where(eligible & (rank == want), qi, -1), axis=0) + 1
             scanned = new_head - head
             head = new_head
         else:
             # PB-LRU's victims stay in their buckets until commit clears them (apply).
             # leaf words the lists were made from (none when no victim was wanted: nothing listed)
-            scanned = tl.where(want > 0, listed * (CHUNK // 32), 0)
+            scanned = tl.where(want > 0, R * ((G + CHUNK - 1) // CHUNK) * (CHUNK // 32), 0)
         V = k_free + got
         # (PB-LRU: every slot that receives an entry joins the current round's bucket at commit;
         # a prepare's round end runs across the grid in the launch after this one: round_end.)
@@ -637,7 +606,7 @@ def victims_program(
         g_new = tl.where(gw == K.G_CPU_BOT, bottom, g_new)
         tl.store(gctl_ptr + gw, g_new, mask=(gw >= K.G_HEAD) & (gw <= K.G_CPU_BOT))
         plan = tl.where(cw == K.E_KFREE, k_free, tl.where(cw == K.E_VICTIMS, V, bottom))
-        plan = tl.where(cw == K.E_SEGMENTS, segments, tl.where(cw == K.E_FILL, fill, plan))
+        plan = tl.where(cw == K.E_SEG_BLOCKS, cand_blocks, tl.where(cw == K.E_FILL, fill, plan))
         plan = tl.where(cw == K.E_POPS, pops, plan)
         plan = tl.where(cw == K.E_RING_BLOCKS, ring_blocks, tl.where(cw == K.E_RING_AT, ring_at, plan))
         plan = tl.where(cw == K.E_RING_DROPPED, dropped, plan)
@@ -647,7 +616,7 @@ def victims_program(
         plan = tl.where(cw == K.E_ROUND_BUCKET, round_bucket, plan)
         plan = tl.where(cw == K.E_MISSES, M, tl.where(cw == K.E_QUEUE_AT, queue_at, plan))
         planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE)
-        planned = planned | (cw == K.E_SEGMENTS) | (cw == K.E_FILL) | (cw == K.E_POPS)
+        planned = planned | (cw == K.E_SEG_BLOCKS) | (cw == K.E_FILL) | (cw == K.E_POPS)
         planned = planned | (cw == K.E_RING_BLOCKS) | (cw == K.E_RING_AT) | (cw == K.E_RING_DROPPED)
         planned = planned | (cw == K.E_ROUND_BUCKET) | (cw == K.E_MISSES) | (cw == K.E_QUEUE_AT)
         tl.store(ctl_ptr + cw, plan, mask=planned)
@@ -719,19 +688,10 @@ def victims_reference(
         n_free -= k_free
         scanned, round_reads = 0, 0
         bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
-        # The candidate lists the classify made, as running totals (see victim_slot).
-        segments = P if bitmaps is None else bitmaps.R * -(-st.gpu_slots // C)
-        sw, lanes, listed = int(SEG_WORDS), PLAN_LANES[st.policy], segments
-        scratch.seg[0] = scratch.seg[2] = 0
-        run = clean_run = 0
-        segments = 0  # as far as the victims reach, a block of lanes at a time
-        while segments < listed and run < M - k_free:
-            for k in range(segments, min(listed, segments + lanes)):
-                run += int(scratch.seg[sw * k + sw])
-                clean_run += int(scratch.seg[sw * k + sw + 2])
-                scratch.seg[sw * k + sw] = run
-                scratch.seg[sw * k + sw + 2] = clean_run
-            segments = min(listed, segments + lanes)
+        # The candidate lists the classify made and sealed, summed block by block (see segments).
+        ranges = -(-st.gpu_slots // C)
+        blocks = segment_blocks(P) if bitmaps is None else bitmaps.R * segment_blocks(ranges)
+        blocks, run, clean_run = sum_blocks_reference(scratch, blocks, M - k_free, PLAN_LANES[st.policy])
         head0 = head  # where the classify's ring blocks start
         if bitmaps is None:
             scanned_from = head
@@ -742,22 +702,26 @@ def victims_reference(
                     victims.append(s)
                 head += 1
             scanned = head - scanned_from
-            # ... and more segments of the ring while they fall short.
-            while run < M - k_free and scanned_from + segments * C < round_tail:
-                lo = scanned_from + segments * C
+            # ... and more segments of the ring while they fall short, in blocks of their own.
+            extra = 0
+            while run < M - k_free and scanned_from + (P + extra) * C < round_tail:
+                lo = scanned_from + (P + extra) * C
                 slots = ring_candidates_reference(st, g, lo, min(round_tail, lo + C))
                 clean = [False] * len(slots)
                 if not st.CACHE:
                     clean = clean_candidates_reference(st, g, slots, M - k_free, scratch)
-                at = segments * C
+                at = (P + extra) * C
                 packed = packed_candidates_reference(slots, clean)
                 scratch.cand[at : at + len(slots)] = torch.tensor(packed, dtype=torch.int64)
+                store_segment_reference(
+                    scratch, blocks * int(S.SEG_BLOCK) + extra, at, len(slots), sum(clean)
+                )
                 run += len(slots)
                 clean_run += sum(clean)
-                scratch.seg[sw * segments + 1] = at
-                scratch.seg[sw * segments + sw] = run
-                scratch.seg[sw * segments + sw + 2] = clean_run
-                segments += 1
+                extra += 1
+            if extra:
+                seal_listed_here_reference(scratch, blocks, extra)
+            blocks += segment_blocks(extra)
         else:
             # Victims: cold, then the ring oldest first, lower slots first, never the current round;
             # they leave their buckets at commit (apply).
@@ -765,7 +729,7 @@ def victims_reference(
             for i in range(bitmaps.R):
                 bucket = bitmaps.R if i == 0 else (rnd + i) % bitmaps.R
                 victims += sorted(bitmaps.sets[bucket])[: M - len(victims)]
-            scanned = listed * (C // 32) if k_free < M else 0
+            scanned = bitmaps.R * ranges * (C // 32) if k_free < M else 0
             bitmaps.store()
         V = len(victims)
         ring_blocks = ring_at = dropped = 0
@@ -809,7 +773,7 @@ def victims_reference(
         ctl[int(K.E_POPS)] = pops
         ctl[int(K.E_KFREE)] = k_free
         ctl[int(K.E_VICTIMS)] = V
-        ctl[int(K.E_SEGMENTS)] = segments
+        ctl[int(K.E_SEG_BLOCKS)] = blocks
         ctl[int(K.E_RING_BLOCKS)] = ring_blocks
         ctl[int(K.E_RING_AT)] = ring_at
         ctl[int(K.E_RING_DROPPED)] = dropped

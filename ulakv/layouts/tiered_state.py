@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
@@ -19,7 +20,7 @@ from ..kernels import apply as apply_mod
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
 from ..kernels import lookup as lookup_mod
-from ..kernels import operands
+from ..kernels import operands, segments
 from ..kernels import release as release_mod
 from ..kernels._triton import triton
 from ..kernels.buckets import level_offsets
@@ -264,6 +265,9 @@ def miss_positions(plan: TransferPlan) -> torch.Tensor:
 class CallScratch(_Tensors):
     """Per-call scratch, sized for up to ``capacity`` selection elements (grown, never shrunk)."""
 
+    # What a call leaves as the next one needs it (every other tensor is written before it is read).
+    CARRIED: ClassVar[tuple[str, ...]] = ("seg_arrivals",)
+
     home: torch.Tensor  # int32 [cap]: mapping value at lookup
     flags: torch.Tensor  # int8 [cap]: F_* bits
     first_pos: torch.Tensor  # int32 [cap]: position of the address's first occurrence
@@ -279,7 +283,15 @@ class CallScratch(_Tensors):
     victims: torch.Tensor  # int32 [cap]: the top of the free GPU-slot stack (the first victims)
     popped: torch.Tensor  # int32 [cap]: the top of the free CPU-row stack (the rows popped)
     cand: torch.Tensor  # int64 [lists * CHUNK]: eviction candidates (slot, clean, clean before it)
-    seg: torch.Tensor  # int64 [3 * segments + 3]: each segment's first rank, place in cand, clean before
+    seg: (
+        torch.Tensor
+    )  # int64 [blocks * SEG_BLOCK, SEG_WORDS]: each candidate segment's words (``kernels.segments``)
+    seg_blocks: (
+        torch.Tensor
+    )  # int64 [blocks, BLOCK_WORDS]: each block of segments' totals, and those before it
+    seg_arrivals: (
+        torch.Tensor
+    )  # int32 [listers' blocks]: listers arrived at a block this call (zero between calls)
     copy_depth: torch.Tensor  # int32 [G]: a listed candidate's copy's depth in the CPU free list
     slot_of: torch.Tensor  # int32 [cap]: each element's GPU slot (exact LRU), as apply's evict phase found it
     ring: torch.Tensor  # int64 [ring pairs]: a compacting call's live LRU ring pairs, block by block
@@ -291,17 +303,25 @@ class CallScratch(_Tensors):
         cls,
         capacity: int,
         device: torch.device,
-        lists: int = 1,
-        segments: int = 1,
+        ring_lists: int = 1,
+        slot_lists: int = 1,
+        buckets: int = 0,
         slots: int = 1,
         ring_pairs: int = 1,
     ) -> CallScratch:
-        """Scratch for ``capacity`` elements. Eviction candidates come in ``lists`` lists of
-        ``CHUNK`` (the LRU ring's length, or the GPU slots, over ``CHUNK``) cut in ``segments``
-        segments (exact LRU: one a list; PB-LRU: one a list and bucket), among ``slots`` GPU slots;
-        a compacting call packs up to ``ring_pairs`` LRU ring pairs (the ring's length)."""
+        """Scratch for ``capacity`` elements. Eviction candidates come in lists of ``CHUNK``:
+        exact LRU's ``ring_lists`` (the ring's length over ``CHUNK``), PB-LRU's ``slot_lists`` (the
+        GPU slots over ``CHUNK``) in each of ``buckets`` buckets, each list a segment, in blocks of
+        ``SEG_BLOCK`` (exact LRU: the call's chunks' blocks, then the blocks the plan lists itself
+        when they fall short); among ``slots`` GPU slots; a compacting call packs up to
+        ``ring_pairs`` LRU ring pairs (the ring's length)."""
         chunks = triton.cdiv(capacity, K.CHUNK)
-        lists, segments = max(chunks, lists), max(chunks, segments)
+        lists = max(chunks, ring_lists, slot_lists)
+        blocks = max(
+            segments.segment_blocks(chunks) + segments.segment_blocks(ring_lists),
+            buckets * segments.segment_blocks(slot_lists),
+        )
+        listers = max(segments.segment_blocks(chunks), segments.segment_blocks(slot_lists))
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             home=torch.empty(capacity, **i32),
@@ -317,7 +337,11 @@ class CallScratch(_Tensors):
             victims=torch.empty(capacity, **i32),
             popped=torch.empty(capacity, **i32),
             cand=torch.empty(lists * K.CHUNK, dtype=torch.int64, device=device),
-            seg=torch.empty(3 * segments + 3, dtype=torch.int64, device=device),
+            seg=torch.empty(
+                (blocks * int(segments.SEG_BLOCK), int(segments.SEG_WORDS)), dtype=torch.int64, device=device
+            ),
+            seg_blocks=torch.empty((blocks, int(segments.BLOCK_WORDS)), dtype=torch.int64, device=device),
+            seg_arrivals=torch.zeros(listers, **i32),  # each block's last lister clears its count
             copy_depth=torch.empty(max(slots, 1), **i32),
             slot_of=torch.empty(capacity, **i32),
             ring=torch.empty(max(ring_pairs, 1), dtype=torch.int64, device=device),
@@ -345,6 +369,8 @@ class CallScratch(_Tensors):
             "popped_ptr": self.popped,
             "cand_ptr": self.cand,
             "seg_ptr": self.seg,
+            "seg_blocks_ptr": self.seg_blocks,
+            "seg_arrivals_ptr": self.seg_arrivals,
             "copy_depth_ptr": self.copy_depth,
             "ring_ptr": self.ring,
             "ring_blocks_ptr": self.ring_blocks,
@@ -391,8 +417,9 @@ class TieredLayout:
         fresh = CallScratch.allocate(
             max(K.CHUNK, K.next_pow2(elements)),
             self.config.torch_device,
-            lists=max(ring_lists, slot_lists),
-            segments=max(ring_lists, slot_lists * max(st.num_buckets, 1)),
+            ring_lists=ring_lists,
+            slot_lists=slot_lists,
+            buckets=max(st.num_buckets, 1),
             slots=st.gpu_slots,
             ring_pairs=ring_lists * K.CHUNK if st.policy == K.EXACT_LRU else 1,
         )
