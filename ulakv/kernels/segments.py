@@ -172,8 +172,12 @@ def find_segment(r, mask, seg_ptr, seg_blocks_ptr, blocks):
         start = tl.load(seg_blocks_ptr + BLOCK_WORDS * (b + half) + B_BEFORE, mask=mask, other=0)
         b = tl.where(start <= r, b + half, b)
         size -= half
-    block_before = tl.load(seg_blocks_ptr + BLOCK_WORDS * b + B_BEFORE, mask=mask, other=0)
-    block_clean = tl.load(seg_blocks_ptr + BLOCK_WORDS * b + B_CLEAN_BEFORE, mask=mask, other=0)
+    pair = tl.arange(0, 2)[None, :]  # the block's start, both counts in one load
+    start = tl.load(
+        seg_blocks_ptr + BLOCK_WORDS * b[:, None] + B_BEFORE + pair, mask=mask[:, None] & (pair < 2), other=0
+    )
+    block_before = tl.sum(tl.where(pair == 0, start, 0), axis=1)
+    block_clean = tl.sum(tl.where(pair == 1, start, 0), axis=1)
     r_in = r - block_before
     t = tl.zeros_like(r)
     for step in tl.static_range(LOG2_SEG_BLOCK):
