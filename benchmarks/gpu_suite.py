@@ -279,6 +279,9 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
     for policy in (ExactLRU(), PBLRU(8)):
         kernels = make_pool(device, G, 2 * G, policy, layers=2, per_group=2)
         refs = make_pool(cpu, G, 2 * G, policy, layers=2, per_group=2)
+        pinned = kernels._layout.state.cpu_data.is_pinned()  # mapped, then registered with CUDA
+        if device.type == "cuda" and not pinned:
+            raise AssertionError(f"{policy}: the CPU tier is not page-locked for the GPU")
         refs._layout.kernels = REFERENCE
         n = 3 * G - T  # nearly full: misses evict once the GPU tier is full
         kernels.admit(n)

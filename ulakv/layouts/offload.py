@@ -25,6 +25,7 @@ import itertools
 
 import torch
 
+from .. import host_memory
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import CPUOffloadBaseline, ExactLRU, PoolConfig, Tiered
 from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError
@@ -71,7 +72,9 @@ class OffloadPool(PoolFrame):
         self._history = (
             torch.empty((L, N + 1, W), dtype=torch.uint8, device=self.device)
             if meta
-            else torch.zeros((L, N + 1, W), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            else host_memory.allocate_tier(
+                (L, N + 1, W), pin=self.device.type == "cuda", what="the baseline's CPU history"
+            )
         )
         history_map = torch.arange(N + 1, dtype=torch.int32, device=self.device)
         history_map[N] = UNHOMED
@@ -313,6 +316,7 @@ class OffloadPool(PoolFrame):
             "physical_slots_used": homed + buffered,
             "gpu_slots_used": buffered,
             "cpu_slots_used": homed,
+            "host_bytes_reserved": host_memory.reserved_bytes(self._history.nbytes),
             **counters,
             "bytes_out": counters["bytes_out"] + self._bytes_backed_up,
             "launches": self._launches,

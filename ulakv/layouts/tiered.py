@@ -13,6 +13,7 @@ import itertools
 
 import torch
 
+from .. import host_memory
 from ..address_space import UNHOMED, EngineAddresses, LogicalAllocator, Sequence, addresses_on, runs_of
 from ..config import PoolConfig, Replicated
 from ..deferred import DeferredStatus
@@ -381,6 +382,8 @@ class TieredPool(PoolFrame):
             "replicas": self._replicas,
             "gpu_slots_used": gpu_used,
             "cpu_slots_used": cpu_used,
+            # host memory the CPU tier holds: its rows as asked, in whole pages (``host_memory``)
+            "host_bytes_reserved": self._replicas * host_memory.reserved_bytes(st.cpu_data.nbytes),
             **counters,
             "launches": self._launches,
         }

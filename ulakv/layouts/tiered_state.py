@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from .. import host_memory
 from ..config import ExactLRU, PoolConfig
 from ..errors import InvalidInputError, UlakvError
 from ..kernels import apply as apply_mod
@@ -148,7 +149,7 @@ class TieredState(_Tensors):
             gpu_data=gpu_data
             if gpu_data is not None
             else torch.zeros((L, G + 1, B), dtype=torch.uint8, device=device),
-            cpu_data=torch.zeros((L, C + 1, B), dtype=torch.uint8, pin_memory=pin)
+            cpu_data=host_memory.allocate_tier((L, C + 1, B), pin=pin)
             if device.type != "meta"
             else torch.empty((L, C + 1, B), dtype=torch.uint8, device=device),
         )
