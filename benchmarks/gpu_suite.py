@@ -686,6 +686,48 @@ def request_calls(device: torch.device, sizes: Sizes) -> list[dict]:
 
 
 # -- 9. what the device compiled -------------------------------------------------------------------
+def refusal_reports(device: torch.device) -> dict:
+    """A step of 8 one-layer groups (a write and a prepare each) makes no device-to-host copy: a
+    refusal reaches the host as the word the refusing kernel stores in mapped host memory. Then a
+    refused prepare is raised by the next call, naming it, once its kernel has run."""
+    groups = 8
+    pool = make_pool(device, 64, 128, ExactLRU(), layers=groups, per_group=1)
+    seq = pool.admit(48)
+    write_all(pool, seq.addresses, range(groups))
+    new = seq.addresses[:4]
+    rows = torch.zeros((4, ROW), dtype=torch.uint8, device=device)
+    pick = seq.addresses[8:24].view(1, 16)
+
+    def step() -> None:
+        for g in range(groups):
+            pool.write(g, new, rows)
+            pool.prepare(g, pick)
+
+    step()  # warm: compiled, scratch sized
+    copies = None
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize(device)
+        copies = sum(1 for e in prof.events() if "DtoH" in e.name or "Device -> " in e.name)
+        if copies:
+            raise AssertionError(f"a step of {groups} groups copied {copies} times to the host")
+    pool.prepare(0, torch.tensor([[int(seq.addresses[0]), 10_000]], device=device))  # not live
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the report has landed: the next call must see it
+    try:
+        pool.prepare(0, pick)
+    except Exception as exc:  # the refusal, named
+        if "an earlier prepare" not in str(exc):
+            raise AssertionError(f"the refusal was raised in other words: {exc}") from exc
+    else:
+        raise AssertionError("a refused prepare was not raised by the next call")
+    pool.check()
+    return {"groups": groups, "step_copies_to_host": copies, "refusal": "raised by the next call"}
+
+
 def compiled_variants(device: torch.device) -> list[dict]:
     """Every variant of every ulakv kernel this process compiled, as the device's loader reports
     it: registers a thread, spill bytes, warps, shared memory, and the warps an SM keeps resident
@@ -785,6 +827,11 @@ def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callabl
             "requests",
             "a request's admission and release (engine-owned pool)",
             lambda r: request_calls(device, sizes),
+        ),
+        (
+            "refusals",
+            "a step's status without a copy to the host; a refusal raised by the next call",
+            lambda r: refusal_reports(device),
         ),
         (
             "compiled",

@@ -199,9 +199,9 @@ def refused_step(kv: SparseKV, seqs, dead, how: str) -> torch.Tensor | None:
 @pytest.mark.parametrize("how", ["released-address", "too-many-distinct", "write-released-address"])
 def test_a_refused_step_is_raised_by_the_next_call_without_a_sync(how: str) -> None:
     """With validation off a refused prepare or write returns at once, changes nothing and leaves
-    -1 in every slot of its step; the next prepare or write raises its error, and the one after that
-    runs as if nothing had happened. No host sync anywhere (the status reaches the host by an
-    asynchronous copy)."""
+    -1 in every slot of its step; the next prepare or write raises its error, naming the kind of call
+    refused, and the one after that runs as if nothing had happened. No host sync anywhere (the
+    refusing kernel reports to a word of host memory the host reads as it is)."""
     pool, kv = engine(ExactLRU(), gpu=16, cpu=40, max_batch=2, top_k=9, queries=1)
     seqs, expected = fill(pool, kv, requests=3, tokens=7, seed=3)
     gone = pool.admit(4)
@@ -212,7 +212,8 @@ def test_a_refused_step_is_raised_by_the_next_call_without_a_sync(how: str) -> N
     ok = torch.stack([seqs[1].addresses[:4], seqs[2].addresses[:4]])
     with no_host_sync():
         slots = refused_step(kv, seqs, dead, how)
-        with pytest.raises(error, match="an earlier prepare or write"):
+        call = "write" if how.startswith("write") else "prepare"
+        with pytest.raises(error, match=f"an earlier {call} \\(refused"):
             kv.prepare(0, ok)
     if slots is not None:
         assert (slots == -1).all(), "a refused step's slots must never name a row"

@@ -55,8 +55,10 @@ def _gib(n: int) -> str:
 
 def _register(ptr: int, nbytes: int, what: str) -> None:
     """Page-lock ``nbytes`` at ``ptr`` for CUDA copies."""
-    # cudaHostRegisterPortable (1): pinned for every CUDA context of the process, as pin_memory is.
-    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))
+    # cudaHostRegisterPortable (1): pinned for every CUDA context of the process, as pin_memory is;
+    # cudaHostRegisterMapped (2): mapped into the device's address space, because kernels read and
+    # write these bytes in place (apply's rows, the refusal report), not only copies.
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 3))
     if err != 0:
         raise CapacityError(
             f"{what}'s {_gib(nbytes)} could not be page-locked for the GPU (CUDA error {err})"

@@ -40,7 +40,8 @@ E_RING_DROPPED = tl.constexpr(16)  # ... live pairs before the new head (victims
 E_ROUND_BUCKET = tl.constexpr(17)  # PB-LRU: the bucket of the group's current round (round % R)
 E_MISSES = tl.constexpr(18)  # misses the plan moves (the chunks' summed): apply's workers stride over them
 E_QUEUE_AT = tl.constexpr(19)  # exact LRU: the ring index of the call's first append (decide's offsets)
-CTL_WORDS = 20
+E_REFUSALS = tl.constexpr(20)  # calls refused so far (mod 2**32): the count each report carries
+CTL_WORDS = 21
 CTL_BLOCK = tl.constexpr(32)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.
@@ -87,6 +88,34 @@ ST_TOO_LARGE = tl.constexpr(4)
 ST_HOME_LIMIT = tl.constexpr(8)
 # Set by ``admit_addresses`` (engine-owned addresses): more addresses would be live than the pool holds.
 ST_FULL = tl.constexpr(16)
+
+# The refusal report: one int64 word in host memory the device writes and the host reads without a
+# copy or a wait (``ulakv.deferred``). A refused call stores ``E_REFUSALS << 32 | call << 8 |
+# status`` in one aligned 8-byte store, which the host reads whole; nothing else writes it.
+CALL_PREPARE = tl.constexpr(1)  # a prepare or plan
+CALL_WRITE = tl.constexpr(2)
+CALL_ADMIT = tl.constexpr(3)  # admit_addresses
+CALL_RELEASE = tl.constexpr(4)  # release_addresses
+CALL_NAMES = {1: "prepare", 2: "write", 3: "admit_addresses", 4: "release_addresses"}
+
+
+@triton.jit
+def report_refusal(ctl_ptr, report_ptr, status, CALL: tl.constexpr):
+    """Count a call's refusal (``status`` nonzero) in ``E_REFUSALS`` and store its report for the
+    host; nothing for a call that went through. One program runs it, once a call."""
+    if status != 0:
+        refusals = (tl.load(ctl_ptr + E_REFUSALS) + 1) & 0xFFFFFFFF
+        tl.store(ctl_ptr + E_REFUSALS, refusals)
+        tl.store(report_ptr, (refusals << 32) | (CALL << 8) | status)
+
+
+def report_refusal_reference(ctl, report, status: int, call: int) -> None:
+    """Plain twin of :func:`report_refusal`."""
+    if status:
+        refusals = (int(ctl[int(E_REFUSALS)]) + 1) & 0xFFFFFFFF
+        ctl[int(E_REFUSALS)] = refusals
+        report[0] = (refusals << 32) | (call << 8) | status
+
 
 # Per-element flags written by the lookup.
 F_FIRST = tl.constexpr(1)  # first occurrence of its address in the call (the one that acts)

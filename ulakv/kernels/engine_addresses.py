@@ -60,6 +60,7 @@ def engine_addresses_kernel(
     live_ptr,
     capacity,
     ctl_ptr,
+    report_ptr,
     ADMIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -95,6 +96,10 @@ def engine_addresses_kernel(
             tl.store(live_ptr, live - count)
     tl.store(ctl_ptr + K.E_LAST_STATUS, status)
     tl.store(ctl_ptr + K.E_PENDING, tl.load(ctl_ptr + K.E_PENDING) | status)
+    if ADMIT:
+        K.report_refusal(ctl_ptr, report_ptr, status, K.CALL_ADMIT)
+    else:
+        K.report_refusal(ctl_ptr, report_ptr, status, K.CALL_RELEASE)
 
 
 # Not specialised: n, N, as above, and the caller's address alignment (map_ptr is the whole
@@ -124,6 +129,7 @@ def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: i
         live_ptr=live,
         capacity=capacity,
         ctl_ptr=state.ctl,
+        report_ptr=state.report,
         ADMIT=admit,
         BLOCK=K.BLOCK,
     )
@@ -158,3 +164,6 @@ def engine_addresses_reference(
         live[0] += len(inside) if admit else -len(inside)
     state.ctl[int(K.E_LAST_STATUS)] = status
     state.ctl[int(K.E_PENDING)] |= status
+    K.report_refusal_reference(
+        state.ctl, state.report, status, int(K.CALL_ADMIT if admit else K.CALL_RELEASE)
+    )

@@ -384,6 +384,7 @@ def victims_program(
     layer_row_bytes,
     R,
     ring_blocks_ptr,
+    report_ptr,
     WRITE: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -414,7 +415,9 @@ def victims_program(
         MC += tl.sum(_column(counts, K.C_NEED_CPU), axis=0)
         CF += tl.sum(_column(counts, K.C_CPU_FIRST), axis=0)
     if not WRITE:
-        if control_word(ctl, K.E_MAX_SELECTION) < D:
+        # Only when nothing refused the call before: an owner's refusal (a striped pool's census
+        # over a home's share) is what its report must say, not the bound it implies here.
+        if (status == 0) & (control_word(ctl, K.E_MAX_SELECTION) < D):
             status = status | K.ST_TOO_LARGE
     if status == 0:
         head = control_word(gctl, K.G_HEAD)
@@ -653,6 +656,11 @@ def victims_program(
     cleared = (cw == K.E_STATUS) | (cw == K.E_DISTINCT) | (cw == K.E_NEED)
     published = (cw == K.E_LAST_STATUS) | (cw == K.E_PENDING) | (cw == K.E_EPOCH)
     tl.store(ctl_ptr + cw, done, mask=cleared | published)
+    # The host learns of a refusal from its report, in host memory: no copy, no event (``deferred``).
+    if WRITE:
+        K.report_refusal(ctl_ptr, report_ptr, status, K.CALL_WRITE)
+    else:
+        K.report_refusal(ctl_ptr, report_ptr, status, K.CALL_PREPARE)
 
 
 def victims_reference(
@@ -674,7 +682,7 @@ def victims_reference(
     D, H, M = int(ctl[int(K.E_DISTINCT)]), total[int(K.C_HITS)], total[int(K.C_NEED)]
     MC, CF = total[int(K.C_NEED_CPU)], total[int(K.C_CPU_FIRST)]
     status, epoch = int(ctl[int(K.E_STATUS)]), int(ctl[int(K.E_EPOCH)])
-    if not write and int(ctl[int(K.E_MAX_SELECTION)]) < D:
+    if not write and status == 0 and int(ctl[int(K.E_MAX_SELECTION)]) < D:
         status |= int(K.ST_TOO_LARGE)
     if status == 0:
         head, tail = int(gctl[int(K.G_HEAD)]), int(gctl[int(K.G_TAIL)])
@@ -803,6 +811,7 @@ def victims_reference(
     ctl[int(K.E_STATUS)] = 0
     ctl[int(K.E_DISTINCT)] = ctl[int(K.E_NEED)] = 0
     ctl[int(K.E_PENDING)] |= status
+    K.report_refusal_reference(ctl, st.report, status, int(K.CALL_WRITE if write else K.CALL_PREPARE))
     if epoch + 1 >= K.EPOCH_LIMIT:
         st.claim.zero_()
         st.mark.zero_()

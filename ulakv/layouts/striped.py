@@ -95,7 +95,8 @@ class StripedPool(PoolFrame):
         self._validate = validates(config, self._debug)
         # This pool's own control words: only E_PENDING is used, the refusals not raised yet.
         self._ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64, device=self.device)
-        self._deferred = DeferredStatus(self._ctl)
+        # A refused call's inner plan reports it (census bits included): this pool reads that word.
+        self._deferred = DeferredStatus(self.inner._state.report, self._ctl)
         self._seq_ids = itertools.count()
         self.bytes_received = 0  # bytes the fetches' all-gathers brought from other ranks, padding included
         self._bytes_needed = torch.zeros(1, dtype=torch.int64, device=self.device)  # ... that carried a miss
@@ -261,8 +262,6 @@ class StripedPool(PoolFrame):
         self._ctl[pending : pending + 1].bitwise_or_(census.status)
 
     def _finish_call(self) -> None:
-        if not self._validate:
-            self._deferred.publish()
         self._after_call()
 
     def _fetch_and_apply(self, group: int, flat: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
@@ -346,14 +345,17 @@ class StripedPool(PoolFrame):
     def check(self) -> None:
         """Raise (and clear) a refusal that a non-validating ``prepare`` or ``write`` recorded."""
         self._need_kernels("check")
-        pending = int(self._ctl[int(K.E_PENDING)])
-        self._deferred.forget()
+        pending = int(self._ctl[int(K.E_PENDING)])  # a sync: every report has landed
+        refusal = self._deferred.take()
         self.inner.check()  # its plans' copies of the same refusals: cleared
         if self._buffer is not None:
             self._buffer.ctl[int(K.E_PENDING)] = 0
-        if pending:
+        if pending or refusal is not None:
             self._ctl[int(K.E_PENDING)] = 0
-            raise self._status_error("an earlier call", pending, None)
+            what = "an earlier call"
+            if refusal is not None:
+                what, pending = refusal.describe(), pending | refusal.status
+            raise self._status_error(what, pending, None)
 
     def check_invariants(self) -> None:
         """The inner slice's invariants, and in fetch mode the buffer's (one slot per buffered
@@ -367,10 +369,9 @@ class StripedPool(PoolFrame):
         """Without validation: raise the refusal of an earlier call once its status has reached
         the host (``ulakv.deferred``; no sync)."""
         if not self._validate:
-            status = self._deferred.take()
-            if status:
-                what = "an earlier prepare or write (refused: its slots were -1)"
-                raise self._status_error(what, status, None)
+            refusal = self._deferred.take()
+            if refusal is not None:
+                raise self._status_error(refusal.describe(), refusal.status, None)
 
     def _status_error(self, what: str, status: int, census: Census | None) -> UlakvError:
         lay: Striped = self.config.layout

@@ -75,7 +75,9 @@ class TieredPool(PoolFrame):
         else:
             self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
-        self._deferred = DeferredStatus(self._state.ctl)  # refusals of non-validating calls
+        self._deferred = DeferredStatus(
+            self._state.report, self._state.ctl
+        )  # refusals of non-validating calls
         # The plan planned last and not yet run to the end: the plan kernel has already taken its
         # slots from the free stacks and the policy, so the next call finishes it first.
         self._pending: TransferPlan | None = None
@@ -221,11 +223,10 @@ class TieredPool(PoolFrame):
         raise it (``ulakv.deferred``)."""
         if self._validate:
             status = int(self._state.ctl[int(K.E_LAST_STATUS)])
+            self._deferred.forget()  # raised here, not again from its report
             if status:
                 self._state.ctl[int(K.E_PENDING)] = 0
                 raise self._status_error(what, status, None)
-        elif not self._owned:
-            self._deferred.publish()
 
     def _take_exact(self, addresses: list[range]) -> None:
         """Admit exactly ``addresses`` (runs), which must be the lowest free ones (a striped pool's
@@ -291,8 +292,6 @@ class TieredPool(PoolFrame):
         plan, launches = self._layout.plan(group, selection, **kwargs)
         self._launches += launches
         self._raise_if_failed(what, plan)
-        if not self._validate and not self._owned:
-            self._deferred.publish()
         self._pending = plan
         self._audit = None if snapshot is None else (plan, snapshot)
         return plan
@@ -394,11 +393,14 @@ class TieredPool(PoolFrame):
         if self._owned:  # the owner raised or will raise it, in its own words
             self._state.ctl[int(K.E_PENDING)] = 0
             return
-        pending = int(self._state.ctl[int(K.E_PENDING)])
-        self._deferred.forget()
-        if pending:
+        pending = int(self._state.ctl[int(K.E_PENDING)])  # a sync: every report has landed
+        refusal = self._deferred.take()
+        if pending or refusal is not None:
             self._state.ctl[int(K.E_PENDING)] = 0
-            raise self._status_error("an earlier call", pending, None)
+            what, call = "an earlier call", None
+            if refusal is not None:
+                what, call, pending = refusal.describe(), refusal.call, pending | refusal.status
+            raise self._status_error(what, pending, None, call)
 
     def check_invariants(self) -> None:
         """Check the whole state at rest, after finishing a pending plan. This synchronises and is
@@ -446,35 +448,33 @@ class TieredPool(PoolFrame):
         """Without validation: raise the refusal of an earlier ``prepare`` or ``write`` once its
         status has reached the host (``ulakv.deferred``; no sync)."""
         if not self._validate and not self._owned:
-            status = self._deferred.take()
-            if status:
-                raise self._status_error(
-                    "an earlier prepare or write (refused: its slots were -1)"
-                    if self._engine is None
-                    else "an earlier prepare, write, admit_addresses or release_addresses (refused: a "
-                    "prepare's slots were -1)",
-                    status,
-                    None,
-                )
+            refusal = self._deferred.take()
+            if refusal is not None:
+                raise self._status_error(refusal.describe(), refusal.status, None, refusal.call)
 
     def _raise_if_failed(self, what: str, plan: TransferPlan) -> None:
         if not self._validate:
             return
         status = int(self._state.ctl[int(K.E_LAST_STATUS)])
+        self._deferred.forget()  # raised here, not again from its report
         if status:
             self._state.ctl[int(K.E_PENDING)] = 0
             raise self._status_error(what, status, plan)
 
-    def _status_error(self, what: str, status: int, plan: TransferPlan | None) -> UlakvError:
+    def _status_error(
+        self, what: str, status: int, plan: TransferPlan | None, call: str | None = None
+    ) -> UlakvError:
+        """The error of a refused call: ``what`` names it, ``call`` is its kind when known
+        (``prepare``, ``write``, ``admit_addresses``, ``release_addresses``; else ``what``)."""
         detail = ""
         if status & int(K.ST_BAD_ADDRESS) and plan is not None:
             flat = plan.addresses
             bad = (plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
             detail = f": {flat[bad][:5].tolist()}"
         state = "not live"
-        if what == "admit_addresses":
+        if (call or what) == "admit_addresses":
             state = "live already"
-        elif what.startswith("an earlier") and self._engine is not None:
+        elif call is None and what.startswith("an earlier") and self._engine is not None:
             state = "not live (admit_addresses: live already)"
         layout = self._storage.layout
         return refusal(

@@ -52,6 +52,15 @@ class _Tensors:
         return type(self)(**{k: v.clone() for k, v in self.tensors().items()})
 
 
+def _report_word(device: torch.device) -> torch.Tensor:
+    """The word a refused call's kernel reports to (``kernels.common.report_refusal``): host memory
+    mapped for the device beside a GPU, so the host reads it with no copy and no wait."""
+    if device.type == "meta":
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    word = host_memory.allocate_tier((8,), pin=device.type == "cuda", what="the refusal report")
+    return word.view(torch.int64)
+
+
 @dataclass(eq=False)
 class TieredState(_Tensors):
     """All device state of a tiered pool. Row ``g`` of each ``[groups, ...]`` tensor is group ``g``."""
@@ -80,6 +89,7 @@ class TieredState(_Tensors):
     mark: torch.Tensor  # int64 [G]: protection scratch, tagged by epoch
     gpu_data: torch.Tensor  # uint8 [layers, G + 1, bytes]; row G is the dummy slot
     cpu_data: torch.Tensor  # uint8 [layers, C + 1, bytes]; pinned host memory beside a GPU
+    report: torch.Tensor  # int64 [1]: the latest refusal, in host memory the device writes (deferred.py)
 
     # A buffer of entries homed on other ranks (``ulakv.layouts.striped``) drops its victims and
     # fetches its misses; a tiered pool's own state swaps them with its CPU tier.
@@ -152,6 +162,7 @@ class TieredState(_Tensors):
             cpu_data=host_memory.allocate_tier((L, C + 1, B), pin=pin)
             if device.type != "meta"
             else torch.empty((L, C + 1, B), dtype=torch.uint8, device=device),
+            report=_report_word(device),
         )
         state.ctl[int(K.E_EPOCH)] = 1
         state.ctl[int(K.E_MAX_SELECTION)] = layout.max_selection
