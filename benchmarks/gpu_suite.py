@@ -571,6 +571,65 @@ def graph_step(device: torch.device, sizes: Sizes) -> dict:
     return result
 
 
+def group_overlap(device: torch.device, sizes: Sizes) -> dict:
+    """Two one-layer groups prepared back to back, each on its call context's stream (as
+    ``SparseKV`` runs them), every prepare with misses: the timeline of each group's plan and
+    moves (event times in ms after a common start) shows group 1 planning while group 0's rows
+    still come in; beside it the same two prepares on one stream."""
+    G, K, B = sizes.graph_slots, sizes.topk, sizes.graph_batch
+    pool = make_pool(device, G, 4 * G, ExactLRU(), layers=2, per_group=1)
+    seqs = [pool.admit(4 * G // B) for _ in range(B)]
+    write_all(pool, torch.cat([s.addresses for s in seqs]), range(2))
+    gen = torch.Generator().manual_seed(6)
+
+    def fresh_selection() -> torch.Tensor:
+        return torch.stack([s.addresses[torch.randperm(len(s), generator=gen)[:K].to(device)] for s in seqs])
+
+    if pool.call_contexts != 2:
+        raise AssertionError(f"two groups, {pool.call_contexts} call contexts")
+    result: dict = {"batch": B, "topk": K, "gpu_slots": G}
+    if device.type != "cuda":
+        for g in range(2):  # the calls themselves still run, one after the other
+            pool.prepare(g, fresh_selection())
+        result["timeline"] = "skipped: needs CUDA"
+        return result
+    current = torch.cuda.current_stream(device)
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+
+    def two_groups(on: list) -> tuple[torch.cuda.Event, list[list[torch.cuda.Event]]]:
+        sels = [fresh_selection() for _ in range(2)]
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(current)
+        marks = []
+        for g, stream in enumerate(on):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                events[0].record()
+                plan = pool.plan(g, sels[g])
+                events[1].record()
+                pool.run(plan)
+                events[2].record()
+            marks.append(events)
+        for stream in on:
+            current.wait_stream(stream)
+        torch.cuda.synchronize(device)
+        return start, marks
+
+    two_groups(streams)  # warm: compiled, scratch sized
+    for name, on in (("contexts", streams), ("one_stream", [current, current])):
+        start, marks = two_groups(on)
+        at = [[start.elapsed_time(e) for e in events] for events in marks]
+        result[f"{name}_g0_plan_ms"] = f"{at[0][0]:.3f}-{at[0][1]:.3f}"
+        result[f"{name}_g0_moves_end_ms"] = round(at[0][2], 3)
+        result[f"{name}_g1_plan_ms"] = f"{at[1][0]:.3f}-{at[1][1]:.3f}"
+        result[f"{name}_g1_moves_end_ms"] = round(at[1][2], 3)
+        result[f"{name}_overlap_ms"] = round(max(0.0, at[0][2] - at[1][0]), 3)
+        result[f"{name}_total_ms"] = round(max(at[0][2], at[1][2]), 3)
+    pool.check()
+    return result
+
+
 # -- 7. a striped rank's prepare in a CUDA graph ---------------------------------------------------
 def striped_graph(device: torch.device, sizes: Sizes) -> list[dict]:
     """Both attention modes on a group of one rank (one GPU here): every entry is homed on it, so
@@ -818,6 +877,11 @@ def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callabl
             lambda r: prepare_steps(device, sizes, r["ceilings"]),
         ),
         ("graph", "one engine step in a CUDA graph", lambda r: graph_step(device, sizes)),
+        (
+            "overlap",
+            "two groups' prepares on their call contexts' streams: the timeline (ms)",
+            lambda r: group_overlap(device, sizes),
+        ),
         (
             "striped_graph",
             "a striped rank's prepare in a CUDA graph (world 1)",

@@ -142,7 +142,7 @@ def test_a_report_of_several_refusals_names_the_latest_and_counts_them() -> None
     """The host side alone: reports are raised once each, with the refusals since the last raised."""
     ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64)
     report = torch.zeros(1, dtype=torch.int64)
-    deferred = DeferredStatus(report, ctl)
+    deferred = DeferredStatus([report], [ctl])
     assert deferred.take() is None
     ctl[int(K.E_PENDING)] = int(K.ST_DUPLICATE | K.ST_TOO_LARGE)
     report[0] = (2 << 32) | (int(K.CALL_PREPARE) << 8) | int(K.ST_TOO_LARGE)

@@ -404,15 +404,10 @@ def _tiered_bytes(pool) -> Bytes:
     staging = lay.cpu_staging * row
     return Bytes(
         gpu_rows=_nbytes(st.gpu_data),
-        gpu_meta=meta + _scratch_bytes(pool._layout),
+        gpu_meta=meta + pool._layout.call_bytes(),
         cpu_rows=_nbytes(st.cpu_data) - staging,
         cpu_staging=staging,
     )
-
-
-def _scratch_bytes(layout) -> int:
-    sc = layout._scratch
-    return 0 if sc is None else sum(_nbytes(t) for t in sc.tensors().values())
 
 
 def pool_bytes(pool, index: bool = False) -> Bytes:
@@ -425,7 +420,7 @@ def pool_bytes(pool, index: bool = False) -> Bytes:
             buffer_meta = sum(_nbytes(t) for k, t in pool._buffer.tensors().items() if k != "gpu_data")
             b.gpu_buffers = _nbytes(pool._rows) - b.gpu_rows
             exchange = _nbytes(pool._exchange.send) + _nbytes(pool._exchange.gathered)
-            b.gpu_meta += buffer_meta + _scratch_bytes(pool._buffer_layout) + exchange
+            b.gpu_meta += buffer_meta + pool._buffer_layout.call_bytes() + exchange
     elif isinstance(pool, OffloadPool):
         meta = sum(_nbytes(t) for s in pool._buffers for k, t in s.state.tensors().items() if k != "gpu_data")
         meta += _nbytes(pool._history_map) + _nbytes(pool._request_of)

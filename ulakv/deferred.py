@@ -23,6 +23,7 @@ event behind the copy: about 123 copies and events a decode step of a 61-layer m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,31 +49,40 @@ class Refusal:
 
 
 class DeferredStatus:
-    """The host side of one pool's refusal report."""
+    """The host side of one pool's refusal reports: one word per call context (``TieredLayout``),
+    each with its own count, and the pending words to clear when one is raised."""
 
-    def __init__(self, report: torch.Tensor, ctl: torch.Tensor) -> None:
-        self._pending = ctl[int(K.E_PENDING)].view(1)
-        self._cuda = ctl.device.type == "cuda"
+    def __init__(self, reports: Sequence[torch.Tensor], pending: Sequence[torch.Tensor]) -> None:
+        self._pending = [ctl[int(K.E_PENDING)].view(1) for ctl in pending]
+        self._cuda = reports[0].device.type == "cuda" or pending[0].device.type == "cuda"
         # Read as plain memory: no tensor op, no copy, no sync (a meta pool reports nothing).
-        self._word = None if report.device.type == "meta" else report.numpy()
-        self._seen = 0  # the refusal count of the last report raised or forgotten
+        self._words = [r.numpy() for r in reports if r.device.type != "meta"]
+        self._seen = [0] * len(self._words)  # each word's count when last raised or forgotten
 
     def take(self) -> Refusal | None:
-        """The report of a refusal not raised yet, if its store has reached host memory; marked
-        seen, and the device's pending word cleared (in stream order, a launch, no wait)."""
-        if self._word is None or (self._cuda and torch.cuda.is_current_stream_capturing()):
+        """The refusals reported and not raised yet, if their stores have reached host memory:
+        marked seen, and the device's pending words cleared (in stream order: launches, no wait).
+        Two contexts' reports at once come back as one: both counted, their bits OR-ed, the
+        first context's kind of call named."""
+        if not self._words or (self._cuda and torch.cuda.is_current_stream_capturing()):
             return None
-        word = int(self._word[0])
-        refusals = word >> 32
-        if refusals == self._seen:
-            return None
-        calls = (refusals - self._seen) & 0xFFFFFFFF
-        self._seen = refusals
-        self._pending.zero_()
-        call = K.CALL_NAMES.get((word >> 8) & 0xFF, "call")
-        return Refusal(status=word & 0xFF, call=call, calls=calls)
+        found: Refusal | None = None
+        for i, word in enumerate(int(w[0]) for w in self._words):
+            refusals = word >> 32
+            if refusals == self._seen[i]:
+                continue
+            calls = (refusals - self._seen[i]) & 0xFFFFFFFF
+            self._seen[i] = refusals
+            call = K.CALL_NAMES.get((word >> 8) & 0xFF, "call")
+            if found is None:
+                found = Refusal(status=word & 0xFF, call=call, calls=calls)
+            else:
+                found = Refusal(found.status | (word & 0xFF), found.call, found.calls + calls)
+        if found is not None:
+            for pending in self._pending:
+                pending.zero_()
+        return found
 
     def forget(self) -> None:
         """After a synchronising read of ``E_PENDING`` (``check``): every report so far is seen."""
-        if self._word is not None:
-            self._seen = int(self._word[0]) >> 32
+        self._seen = [int(w[0]) >> 32 for w in self._words]

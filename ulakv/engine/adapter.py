@@ -5,26 +5,27 @@ known, and gets a :class:`GroupStep`: the slots every layer of the group attends
 reused by each layer, as FlashInfer's plan is reused by its runs) and one readiness signal per layer.
 Before layer ``l`` reads ``pool.gpu_buffer(l)[slots]`` it calls ``step.wait(l)``.
 
-On CUDA with more than one layer in the group, the moves are split (``docs/design.md``, section 3):
-
-- current stream: claim, classify + plan, then apply's ``out``, ``evict`` and the first layer's ``in``
-  phase (3 launches); the first layer may compute as soon as they finish;
-- side stream: the other layers' ``in`` phase and the ``commit`` (1 launch), overlapping the first
-  layer's attention; layers after the first wait for its event only.
-
-So a group-step is at most 4 launches whatever the batch size, and no host sync: nothing here reads
-a device value. On CPU (kernels under the Triton interpreter) the same calls run synchronously and a
-``wait`` returns at once; ``prefetch=True`` there still splits the launches (without streams), which
-is how the tests cover the split.
+On CUDA every call of a group runs on the stream of its *call context* (``TieredLayout``: group
+``g`` in context ``g % 2``, whose control words and scratch no call of groups ``g - 1`` and ``g + 1``
+touches; ``docs/design.md``, section 3). The stream first waits for the current stream (the
+selection, the rows to write, every earlier read of the group's rows are enqueued there), then
+plans and moves; the current stream waits only for that group's events. So group ``g + 1``'s
+claim and classify run while group ``g``'s rows still come in over PCIe, and attention waits for
+its own group alone. Within a group of several layers the moves are split: the first layer's ``in``
+phase ends with an event of its own, then the other layers' ``in`` and the ``commit`` follow, so
+layers after the first wait for those only. A group-step is at most 4 launches whatever the batch
+size, and no host sync: nothing here reads a device value. On CPU (kernels under the Triton
+interpreter) the same calls run synchronously on the current stream and a ``wait`` returns at once;
+``prefetch=True`` there still splits the launches, which is how the tests cover the split.
 
 A refused step is never silent. With validation off (the CUDA default) a ``prepare`` that cannot
 be served (an address not live, more distinct addresses than the pool may select at once) or a
 refused ``write`` changes nothing and leaves ``-1`` in every slot of its step, which attention reads
 as padding, never as a row; its error (``InvalidAddressError``, ``CapacityError``, ...) is raised by
 a later :meth:`SparseKV.prepare` or :meth:`SparseKV.write`, the first one made once the refused
-call's status has reached the host (``ulakv.deferred``: an asynchronous copy, no sync): on CPU the
-very next call, on CUDA usually the next step's. ``pool.check()`` raises it at once (a sync).
-``tests/test_engine_adapter.py`` pins this down.
+call's report has reached host memory (``ulakv.deferred``: a word the kernel stores there, no
+copy, no sync): on CPU the very next call, on CUDA usually the next step's. ``pool.check()`` raises
+it at once (a sync). ``tests/test_engine_adapter.py`` pins this down.
 
 Buffers are sized at construction for the largest step (``max_batch x max_queries x top_k`` per
 group), so a step allocates nothing and can be captured in a CUDA graph once per batch shape.
@@ -32,6 +33,8 @@ group), so a step allocates nothing and can be captured in a CUDA graph once per
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -63,12 +66,13 @@ class GroupStep:
 
 
 class SparseKV:
-    """Binds ``pool`` to a model: one ``prepare`` per layer group per step, cross-layer prefetch.
+    """Binds ``pool`` to a model: one ``prepare`` per layer group per step, calls of consecutive
+    groups on streams of their own.
 
     ``max_batch``, ``max_queries`` (speculative query positions per request) and ``top_k`` bound a
-    step's selection ``[B, Q, K]``; buffers for it are allocated here, once. ``prefetch`` splits a
-    multi-layer group's moves in two (first layer, then the rest on a side stream); default: on
-    CUDA only.
+    step's selection ``[B, Q, K]``; buffers for it are allocated here, once. ``prefetch`` runs each
+    call context's calls on a stream of its own and splits a multi-layer group's moves in two
+    (first layer, then the rest); default: on CUDA only.
     """
 
     def __init__(
@@ -92,8 +96,13 @@ class SparseKV:
         # One slots buffer per group: a group's slots stay valid while later groups prepare.
         self._slots = torch.full((pool.num_groups, self.max_elements), -1, dtype=torch.int32, device=device)
         pool.reserve_scratch(self.max_elements)  # sized once; a larger call (prefill) gets its own
-        self._side = torch.cuda.Stream(device) if self._prefetch and self._cuda else None
-        self._side_done = None  # the side stream's last event: the next pool call waits for it
+        self._contexts = pool.call_contexts
+        self._streams = (
+            [torch.cuda.Stream(device) for _ in range(self._contexts)]
+            if self._prefetch and self._cuda
+            else None
+        )
+        self._done: list[torch.cuda.Event | None] = [None] * self._contexts  # each stream's last event
 
     def prepare(self, group: int, topk: torch.Tensor) -> GroupStep:
         """Plan ``group``'s moves for the selection ``topk`` (``[B, K]`` or ``[B, Q, K]``, -1
@@ -108,58 +117,76 @@ class SparseKV:
                     f"(batch {self.max_batch}, queries {self.max_queries}, top_k {self.top_k})"
                 )
         pool = self.pool
-        self._after_side()
-        out = self._slots[group]
-        plan = pool.plan(group, topk, out=out)
-        layers = pool.group_layers(group)
-        step = GroupStep(group, layers, out[: topk.numel()].view(shape), plan)
-        if plan is None:
-            return step
-        if not self._prefetch or len(layers) == 1:
+        out = self._slots[group] if 0 <= group < pool.num_groups else self._slots[0]
+        with self._on_stream(group, topk) as stream:
+            plan = pool.plan(group, topk, out=out)
+            layers = pool.group_layers(group)
+            step = GroupStep(group, layers, out[: topk.numel()].view(shape), plan)
+            if plan is None:
+                return step
+            if self._prefetch and len(layers) > 1:  # the first layer's rows first, with an event
+                pool.run(plan, until=Phase.IN, in_layers=range(layers.start, layers.start + 1))
+                if stream is not None:
+                    step.ready[layers.start] = self._record(group, stream)
             pool.run(plan)
-            return step
-        first = range(layers.start, layers.start + 1)
-        pool.run(plan, until=Phase.IN, in_layers=first)
-        if self._side is None:  # CPU: the same two launches, one after the other
-            pool.run(plan)
-            return step
-        first_ready = torch.cuda.Event()
-        first_ready.record(torch.cuda.current_stream(pool.device))
-        step.ready[layers.start] = first_ready
-        self._side.wait_event(first_ready)
-        # The side launch reads the selection: keep its memory from being reused by the current
-        # stream's allocations until the side stream is done with it.
-        if not torch.cuda.is_current_stream_capturing():  # a graph's buffers live as long as it
-            plan.addresses.record_stream(self._side)
-        with torch.cuda.stream(self._side):
-            try:
-                pool.run(plan)
-            finally:  # even when stopped part-way, later calls must wait for what was launched
-                rest_ready = torch.cuda.Event()
-                rest_ready.record(self._side)
-                self._side_done = rest_ready
-        for layer in layers[1:]:
-            step.ready[layer] = rest_ready
+            if stream is not None:
+                done = self._record(group, stream)
+                for layer in layers:
+                    step.ready.setdefault(layer, done)
         return step
 
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
-        """``pool.write`` once the moves in flight are done (new tokens' rows, each step)."""
-        self._after_side()
-        self.pool.write(layer, addrs, rows)
+        """``pool.write`` on the stream of the layer's group (new tokens' rows, each step); the
+        current stream waits for it (an engine may read the rows at once), not for other groups."""
+        group = self.pool.config.group_of(layer) if 0 <= layer < self.pool.config.num_layers else 0
+        with self._on_stream(group, addrs, rows) as stream:
+            self.pool.write(layer, addrs, rows)
+            if stream is not None:
+                torch.cuda.current_stream(self.pool.device).wait_event(self._record(group, stream))
 
     def release(self, seq) -> None:
-        """``pool.release`` once the moves in flight are done (a finished request)."""
-        self._after_side()
+        """``pool.release`` once every group's moves in flight are done (a finished request)."""
+        self._after_streams()
         self.pool.release(seq)
 
     def join(self) -> None:
-        """Make the current stream wait for the side stream (end of a captured step; before using
-        the pool directly)."""
-        self._after_side()
+        """Make the current stream wait for every group's stream (end of a captured step; before
+        using the pool directly)."""
+        self._after_streams()
 
-    def _after_side(self) -> None:
-        """Order the next pool call after the side stream's last launch: it still reads the call
-        scratch and writes pool state. A stream wait, not a host sync."""
-        if self._side_done is not None:
-            torch.cuda.current_stream(self.pool.device).wait_event(self._side_done)
-            self._side_done = None
+    @contextlib.contextmanager
+    def _on_stream(self, group: int, *inputs: torch.Tensor) -> Iterator[torch.cuda.Stream | None]:
+        """Run the block on ``group``'s context stream after the current stream's work so far
+        (``None`` and the current stream on CPU or without prefetch). ``inputs`` (the caller's,
+        made on the current stream) are kept from reuse until the stream is done with them."""
+        if self._streams is None:
+            yield None
+            return
+        stream = self._streams[group % self._contexts]
+        stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        if not torch.cuda.is_current_stream_capturing():  # a graph's buffers live as long as it
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            try:
+                yield stream
+            finally:  # even when stopped part-way, later pool-wide calls wait for what was launched
+                self._record(group, stream)
+
+    def _record(self, group: int, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """An event at ``stream``'s current end: the context's latest."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._done[group % self._contexts] = event
+        return event
+
+    def _after_streams(self) -> None:
+        """Order the next pool-wide call after every context stream's last launch (they write pool
+        state and read the call scratch). Stream waits, not host syncs."""
+        current = None
+        for i, event in enumerate(self._done):
+            if event is not None:
+                current = current or torch.cuda.current_stream(self.pool.device)
+                current.wait_event(event)
+                self._done[i] = None

@@ -96,7 +96,7 @@ class StripedPool(PoolFrame):
         # This pool's own control words: only E_PENDING is used, the refusals not raised yet.
         self._ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64, device=self.device)
         # A refused call's inner plan reports it (census bits included): this pool reads that word.
-        self._deferred = DeferredStatus(self.inner._state.report, self._ctl)
+        self._deferred = DeferredStatus([st.report for st in self.inner._layout.contexts], [self._ctl])
         self._seq_ids = itertools.count()
         self.bytes_received = 0  # bytes the fetches' all-gathers brought from other ranks, padding included
         self._bytes_needed = torch.zeros(1, dtype=torch.int64, device=self.device)  # ... that carried a miss
@@ -182,7 +182,7 @@ class StripedPool(PoolFrame):
             return
         flat = addrs.to(torch.int64)
         census = self._census(flat, unique=True)
-        self._settle("write", census, [self.inner._state.ctl])
+        self._settle("write", census, [self.inner._layout.context(self.config.group_of(layer)).ctl])
         rows = detached(rows, self._rows)  # index_copy_ below refuses an overlap, after inner's write
         _, local = self._local_of(flat)
         self.inner.write(layer, local, rows)
@@ -212,12 +212,12 @@ class StripedPool(PoolFrame):
             return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
         if self.local:
             census = self._census(flat)
-            self._settle("prepare", census, [self.inner._state.ctl])
+            self._settle("prepare", census, [self.inner._layout.context(group).ctl])
             _, local = self._local_of(flat)
             slots = self.inner.prepare(group, local.view(1, -1)).slots
         else:
             census = self._census(flat, group=group)
-            self._settle("prepare", census, [self._buffer.ctl, self.inner._state.ctl])
+            self._settle("prepare", census, [self._buffer.ctl, self.inner._layout.context(group).ctl])
             try:
                 slots = self._fetch_and_apply(group, flat, census.status)
             except BaseException as exc:

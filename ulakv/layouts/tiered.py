@@ -66,7 +66,9 @@ class TieredPool(PoolFrame):
         self._state = TieredState.allocate(
             self._storage, gpu_data=_gpu_data, addresses=config.engine_addresses
         )
-        self._layout = TieredLayout(self._storage, self._state)
+        # Two call contexts: consecutive groups' calls share no call words or scratch (they may run
+        # at once on the adapter's streams). One for a one-group pool: it has no neighbour.
+        self._layout = TieredLayout(self._storage, self._state, contexts=min(2, config.num_groups))
         # Who hands out addresses: the pool (host runs), or the engine (device books, no read-back).
         self._engine: EngineAddresses | None = None
         if config.engine_addresses is not None:
@@ -75,9 +77,8 @@ class TieredPool(PoolFrame):
         else:
             self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
-        self._deferred = DeferredStatus(
-            self._state.report, self._state.ctl
-        )  # refusals of non-validating calls
+        contexts = self._layout.contexts  # refusals of non-validating calls, reported by context
+        self._deferred = DeferredStatus([st.report for st in contexts], [st.ctl for st in contexts])
         # The plan planned last and not yet run to the end: the plan kernel has already taken its
         # slots from the free stacks and the policy, so the next call finishes it first.
         self._pending: TransferPlan | None = None
@@ -87,6 +88,12 @@ class TieredPool(PoolFrame):
         self._audit: tuple[TransferPlan, PlanSnapshot] | None = None
 
     # -- shape of the pool (capacity, free_addresses, num_groups, group_layers: PoolFrame) -------
+    @property
+    def call_contexts(self) -> int:
+        """Call contexts: group ``g``'s calls run in context ``g % call_contexts``, and calls in
+        different contexts write no common memory (``TieredLayout``)."""
+        return len(self._layout.contexts)
+
     def gpu_buffer(self, layer: int) -> torch.Tensor:
         """uint8 ``[gpu_slots + 1, bytes_per_layer]``: the rows ``prepare``'s slots index (row
         ``gpu_slots`` is a dummy that absorbs padding writes)."""
@@ -372,7 +379,7 @@ class TieredPool(PoolFrame):
         groups = self.num_groups
         gpu_used = groups * G - int(st.gctl[:, int(K.G_GPU_FREE)].sum())
         cpu_used = groups * C - int(st.gctl[:, int(K.G_CPU_FREE)].sum())
-        counters = dict(zip(K.STAT_NAMES, st.stats.tolist(), strict=False))
+        counters = dict(zip(K.STAT_NAMES, self._layout.counters().tolist(), strict=False))
         return {
             "live_addresses": self.capacity - self.free_addresses,
             "distinct_entries": int((st.mapping >= 0).sum()),
@@ -391,12 +398,12 @@ class TieredPool(PoolFrame):
         """Raise (and clear) an error that a non-validating ``prepare``/``write`` recorded."""
         self._need_kernels("check")
         if self._owned:  # the owner raised or will raise it, in its own words
-            self._state.ctl[int(K.E_PENDING)] = 0
+            self._layout.clear_pending()
             return
-        pending = int(self._state.ctl[int(K.E_PENDING)])  # a sync: every report has landed
+        pending = self._layout.pending()  # a sync: every report has landed
         refusal = self._deferred.take()
         if pending or refusal is not None:
-            self._state.ctl[int(K.E_PENDING)] = 0
+            self._layout.clear_pending()
             what, call = "an earlier call", None
             if refusal is not None:
                 what, call, pending = refusal.describe(), refusal.call, pending | refusal.status
@@ -436,8 +443,8 @@ class TieredPool(PoolFrame):
         out.update(
             gpu_data=st.gpu_data.clone(),
             cpu_data=st.cpu_data.clone(),
-            stats=st.stats.clone(),
-            pending=st.ctl[int(K.E_PENDING)].clone(),
+            stats=self._layout.counters(),
+            pending=torch.tensor(self._layout.pending()),
         )
         if self._engine is not None:
             out["engine_live"] = self._engine.live.clone()
@@ -455,10 +462,10 @@ class TieredPool(PoolFrame):
     def _raise_if_failed(self, what: str, plan: TransferPlan) -> None:
         if not self._validate:
             return
-        status = int(self._state.ctl[int(K.E_LAST_STATUS)])
+        status = int(plan.ctl[int(K.E_LAST_STATUS)])
         self._deferred.forget()  # raised here, not again from its report
         if status:
-            self._state.ctl[int(K.E_PENDING)] = 0
+            plan.ctl[int(K.E_PENDING)] = 0
             raise self._status_error(what, status, plan)
 
     def _status_error(

@@ -9,7 +9,7 @@ fetch with it; striped and offload pools synchronise by design).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import torch
@@ -185,6 +185,26 @@ class TieredState(_Tensors):
         self.gctl.zero_()
         self.gctl[:, int(K.G_GPU_FREE)] = self.gpu_slots
         self.gctl[:, int(K.G_CPU_FREE)] = self.cpu_slots
+
+    # The tensors one call writes besides its group's rows: control words, counters, the claim and
+    # protection scratch its epoch tags, and the refusal report. A call context has its own.
+    CALL_TENSORS = ("ctl", "stats", "claim", "mark", "report")
+
+    def new_context(self) -> TieredState:
+        """The same pool state with call tensors of its own (``CALL_TENSORS``, fresh: epoch 1, no
+        counts, the same selection bound): a call through it shares nothing a call through
+        ``self`` writes but its group's rows, so calls of different groups may run at once."""
+        ctl = torch.zeros_like(self.ctl)
+        ctl[int(K.E_EPOCH)] = 1
+        ctl[int(K.E_MAX_SELECTION)] = self.ctl[int(K.E_MAX_SELECTION)]
+        return replace(
+            self,
+            ctl=ctl,
+            stats=torch.zeros_like(self.stats),
+            claim=torch.zeros_like(self.claim),
+            mark=torch.zeros_like(self.mark),
+            report=_report_word(self.ctl.device),
+        )
 
     @property
     def gpu_slots(self) -> int:
@@ -408,21 +428,36 @@ REFERENCE = Kernels(lookup_mod.lookup_and_plan_reference, apply_mod.apply_refere
 
 
 class TieredLayout:
-    """Runs the kernels of a tiered pool over a ``TieredState``."""
+    """Runs the kernels of a tiered pool over a ``TieredState``.
 
-    def __init__(self, config: PoolConfig, state: TieredState) -> None:
+    With ``contexts > 1`` the calls of group ``g`` run in call context ``g % contexts``: its own
+    control words, counters, claim and protection scratch, refusal report and call scratch
+    (``TieredState.new_context``). Two consecutive groups then share nothing a call writes but
+    nothing at all of each other's (their state rows are their own), so group ``g + 1``'s plan may
+    run while group ``g``'s rows move (``SparseKV``'s streams). Context 0 is ``state`` itself.
+    """
+
+    def __init__(self, config: PoolConfig, state: TieredState, contexts: int = 1) -> None:
         self.config = config
         self.state = state
-        self._scratch: CallScratch | None = None
+        self.contexts = [state] + [state.new_context() for _ in range(contexts - 1)]
+        self._scratch: list[CallScratch | None] = [None] * contexts
         self._reserved = False
         self.kernels = TRITON
 
-    def scratch(self, elements: int) -> CallScratch:
-        """Call scratch for ``elements``: the layout's own, grown to a power of two so a serving
-        loop allocates a handful of times, then never; once reserved (``reserve``), it stays put
-        (a captured CUDA graph points at it) and a larger call gets scratch of its own."""
-        if self._scratch is not None and self._scratch.capacity >= elements:
-            return self._scratch
+    def context(self, group: int) -> TieredState:
+        """The state a call of ``group`` runs over: the pool's, with its context's call tensors."""
+        return self.contexts[group % len(self.contexts)]
+
+    def scratch(self, elements: int, group: int = 0) -> CallScratch:
+        """Call scratch for ``elements`` in ``group``'s context: the layout's own, grown to a power
+        of two so a serving loop allocates a handful of times, then never; once reserved
+        (``reserve``), it stays put (a captured CUDA graph points at it) and a larger call gets
+        scratch of its own."""
+        at = group % len(self.contexts)
+        held = self._scratch[at]
+        if held is not None and held.capacity >= elements:
+            return held
         st = self.state
         ring_lists = triton.cdiv(st.q_slot.shape[1], K.CHUNK)  # exact LRU: the ring, CHUNK pairs a list
         slot_lists = triton.cdiv(st.gpu_slots, K.CHUNK)  # PB-LRU: CHUNK slots a list, every bucket
@@ -436,14 +471,39 @@ class TieredLayout:
             ring_pairs=ring_lists * K.CHUNK if st.policy == K.EXACT_LRU else 1,
         )
         if not self._reserved:
-            self._scratch = fresh
+            self._scratch[at] = fresh
         return fresh
 
     def reserve(self, elements: int) -> None:
-        """Size the call scratch for ``elements`` and never replace it."""
+        """Size every context's call scratch for ``elements`` and never replace it."""
         self._reserved = False
-        self.scratch(elements)
+        for at in range(len(self.contexts)):
+            self.scratch(elements, at)
         self._reserved = True
+
+    def call_bytes(self) -> int:
+        """Bytes of what calls use beside the state: every context's call scratch, and the call
+        tensors of contexts past the first (the first's are the state's own)."""
+        scratch = sum(
+            t.numel() * t.element_size() for sc in self._scratch if sc for t in sc.tensors().values()
+        )
+        extra = sum(getattr(st, k).nbytes for st in self.contexts[1:] for k in TieredState.CALL_TENSORS)
+        return scratch + extra
+
+    def counters(self) -> torch.Tensor:
+        """The cumulative counters (``K.STAT_NAMES``), summed over the contexts."""
+        return torch.stack([st.stats for st in self.contexts]).sum(0)
+
+    def pending(self) -> int:
+        """The OR of every context's pending refusal bits (reads them back: a sync)."""
+        bits = 0
+        for st in self.contexts:
+            bits |= int(st.ctl[int(K.E_PENDING)])
+        return bits
+
+    def clear_pending(self) -> None:
+        for st in self.contexts:
+            st.ctl[int(K.E_PENDING)] = 0
 
     def plan(
         self,
@@ -459,7 +519,7 @@ class TieredLayout:
         ``[n, bytes_per_layer]``) and ``out`` (int32, at least ``n`` elements: a prepare's slots, in
         row-major order) may be any view of any memory (see ``ulakv.kernels.operands``); ``out`` is
         allocated when ``None``. Returns the plan and the launches (2). No host sync."""
-        st, cfg, kernels = self.state, self.config, self.kernels
+        st, cfg, kernels = self.context(group), self.config, self.kernels
         write = rows is not None
         flat = operands.readable_indices(selection)
         if out is not None:  # apply reads the selection after its evict phase has written out
@@ -467,7 +527,7 @@ class TieredLayout:
         if write:  # rows that view the very rows this write may move
             rows = operands.detached(operands.readable_rows(rows), st.gpu_data, st.cpu_data)
         T = flat.numel()
-        scratch = self.scratch(T)
+        scratch = self.scratch(T, group)
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
         launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width)
@@ -515,7 +575,7 @@ class TieredLayout:
         if until >= Phase.COMMIT and in_layers != remaining and start <= Phase.IN:
             raise InvalidInputError("a plan commits only after every layer's rows are in")
         launches = self.kernels.apply(
-            self.state,
+            self.context(plan.group),
             plan.group,
             plan.scratch,
             plan.addresses,
