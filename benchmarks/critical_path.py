@@ -8,7 +8,8 @@ Each request has an 8K-token context (admitted, so every position is live). The 
 synthetic DSA-shaped trace (``ulakv.traces.synthetic``: sinks, a local window, drifting heavy
 hitters, far picks partly reused, three speculative query positions). The GPU tier holds twice one
 step's working set, the CPU tier the rest. A first prepare fills every GPU slot, two steps of the
-trace follow, and the third is counted: its misses evict. The apply
+trace follow, and the third is counted: its misses evict; then the write of the step's new tokens
+(one a request), whose entries evict too. The apply
 kernel is counted with its GPU tiling (``apply.GPU_TILING``). Runs under the Triton interpreter.
 """
 
@@ -58,7 +59,7 @@ def measure(batch: int, policy) -> dict:
     """Build the pool, warm it, count one prepare. Returns the row of the table."""
     topk, working = selections(batch)
     gpu = 2 * working
-    cpu = batch * CONTEXT - gpu + 1
+    cpu = batch * (CONTEXT + 1) - gpu + 1  # room for the step's new tokens
     pool = Pool(
         PoolConfig(
             entry=EntrySpec(bytes_per_layer=16),
@@ -82,13 +83,17 @@ def measure(batch: int, policy) -> dict:
     for step in range(WARMUP_STEPS):
         pool.prepare(0, addresses(step))
     before = pool.stats()
+    new = torch.cat([pool.extend(s) for s in seqs])  # the step's new tokens: one a request
+    rows = torch.zeros((new.numel(), 16), dtype=torch.uint8)
     tiling, apply_mod.TILING = apply_mod.TILING, apply_mod.GPU_TILING
     try:
         with count_memory_ops() as launches:
             pool.prepare(0, addresses(WARMUP_STEPS))
+        after = pool.stats()
+        with count_memory_ops() as written:  # then their rows: the GPU is full, each evicts
+            pool.write(0, new, rows)
     finally:
         apply_mod.TILING = tiling
-    after = pool.stats()
     misses = after["misses"] - before["misses"]
     hits = after["hits"] - before["hits"]
     return dict(
@@ -108,6 +113,9 @@ def measure(batch: int, policy) -> dict:
         # least its programs' operations shared by the slots (``Launch.length``).
         in_waves=" + ".join(f"{launch.kernel} {launch.length(GPU_PROGRAM_SLOTS)}" for launch in launches),
         critical_path_in_waves=critical_path(launches, slots=GPU_PROGRAM_SLOTS),
+        write=" + ".join(f"{launch.kernel} {launch.busiest}" for launch in written),
+        write_critical_path=critical_path(written),
+        write_in_waves=critical_path(written, slots=GPU_PROGRAM_SLOTS),
     )
 
 
@@ -127,8 +135,9 @@ def main() -> None:
         "all_programs",
         "in_waves",
     ]
-    print("| " + " | ".join([*columns, "critical_path", "critical_path_in_waves"]) + " |")
-    print("|---" * (len(columns) + 2) + "|")
+    extra = ["critical_path", "critical_path_in_waves", "write", "write_critical_path"]
+    print("| " + " | ".join([*columns, *extra]) + " |")
+    print("|---" * (len(columns) + len(extra)) + "|")
     for batch in args.batch:
         for policy in (ExactLRU(), PBLRU(8)):
             t0 = time.perf_counter()
@@ -136,6 +145,8 @@ def main() -> None:
             cells = [str(row[c]) for c in columns] + [
                 f"**{row['critical_path']}**",
                 f"**{row['critical_path_in_waves']}**",
+                row["write"],
+                f"**{row['write_critical_path']}**",
             ]
             print("| " + " | ".join(cells) + " |", flush=True)
             print(f"<!-- {time.perf_counter() - t0:.0f} s -->", flush=True)

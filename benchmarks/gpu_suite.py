@@ -35,6 +35,16 @@ Sections, in order (a failed check stops the suite before any timing):
    with its registers, spill bytes and the warps an SM keeps resident.
 10. ``vector_widths``: gather and swap-in with rows moved in 16-byte vectors against 4-byte words,
    alternating in one process (the time ratio is the figure).
+11. ``soak`` (``gpu_serving.py``): 10,000 decode steps of a 1 M-slot group at batch 64 and 256,
+   both policies, each step a write of the new tokens and a prepare of a DSA-shaped top-2048
+   (``SparseKV``): median, p99 and worst step on the GPU, hits and evictions a step, and the
+   per-kernel table (launches a step, microseconds a launch) over 50 profiled steps.
+12. ``whole_step`` (``gpu_serving.py``): one decode step of 61 one-layer groups (every write and
+   prepare, on the call contexts' streams) captured in one CUDA graph and replayed on new tokens
+   and fresh selections; its launches, eager time against replay time; the slots hold their bytes.
+13. ``refusals``: a step of 8 groups makes no device-to-host copy (the profiler); a refused
+   prepare is raised by the next call. ``overlap``: two groups' plans and moves on their call
+   contexts' streams, as an event timeline, beside one stream.
 
 Sections are selectable (``--only prepare requests``); ``--keep-going`` records a failed section and
 runs the rest (one lease on new hardware, every failure seen).
@@ -59,6 +69,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import gpu_serving
 import torch
 
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Striped, Tiered
@@ -849,6 +860,7 @@ NEEDS_CEILINGS = {"gather", "swap_in", "prepare", "vector_widths"}
 
 def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callable[[dict], object]]]:
     """The suite's sections in order: (name, table title, run given the results so far)."""
+    serving = gpu_serving.SMOKE if sizes is SMOKE else gpu_serving.FULL
     return [
         (
             "correctness",
@@ -877,6 +889,16 @@ def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callabl
             lambda r: prepare_steps(device, sizes, r["ceilings"]),
         ),
         ("graph", "one engine step in a CUDA graph", lambda r: graph_step(device, sizes)),
+        (
+            "soak",
+            "decode soak: write + prepare a step, one group, GPU-time per step (ms)",
+            lambda r: gpu_serving.soak(device, serving),
+        ),
+        (
+            "whole_step",
+            "a whole decode step (every group's write and prepare) in one CUDA graph",
+            lambda r: gpu_serving.whole_step(device, serving),
+        ),
         (
             "overlap",
             "two groups' prepares on their call contexts' streams: the timeline (ms)",
