@@ -44,8 +44,7 @@ from . import common as K
 from ._triton import INTERPRETED, tl, triton
 from .buckets import PBLRUBits
 from .grid import program_slots
-from .operands import as_words
-from .rows import aligned_to, load_units, store_units, unit_offsets, vector_unit, vectors_per_row
+from .rows import aligned_to, load_units, store_units, unit_offsets, vectors_per_row
 from .victims import control_word, ring_block_copy
 
 
@@ -710,8 +709,9 @@ def apply(
     if st.CACHE and (fetched is None or fetch_rows is None) and rows is None:
         raise ValueError("a buffer's apply needs the fetched rows and where each miss's is")
     T = flat.numel()
-    gpu = as_words(st.gpu_data)  # the whole pool's rows; the kernel adds the group's layer offset
-    cpu = as_words(st.cpu_data)
+    # The whole pool's rows (the kernel adds the group's layer offset), moved in the widest vectors
+    # they allow (16 B for 656-byte rows); a state's own, worked out once.
+    gpu, cpu, unit = st.row_words
     write = rows is not None
     W = gpu.shape[-1]
     in_layers = in_layers if in_layers is not None else layers
@@ -722,10 +722,8 @@ def apply(
     fetch_rows = fetch_rows if fetch_rows is not None else scratch.victims
     tiling = TILING
     rows_per_tile = tiling.rows
-    # Rows move in the widest vectors the pool's rows allow (16 B for 656-byte rows). A caller's
-    # rows or fetched rows that sit off that alignment (a view at an odd offset) are copied once,
-    # so that the pool keeps one variant.
-    unit = vector_unit(W, gpu, cpu)  # every layer's and row's start too
+    # A caller's rows or fetched rows that sit off the vectors' alignment (a view at an odd
+    # offset) are copied once, so that the pool keeps one variant.
     if write and not aligned_to(rows, unit):
         rows = rows.clone()
     if st.CACHE and not aligned_to(fetched, unit):

@@ -8,6 +8,7 @@ fetch with it; striped and offload pools synchronise by design).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
@@ -25,6 +26,7 @@ from ..kernels import operands, segments
 from ..kernels import release as release_mod
 from ..kernels._triton import triton
 from ..kernels.buckets import level_offsets
+from ..kernels.rows import vector_unit
 from ..transfer import Phase, TransferPlan
 
 
@@ -247,7 +249,21 @@ class TieredState(_Tensors):
     def group_kwargs(self, g: int) -> dict[str, object]:
         """Group ``g``'s state as both the classify and the apply kernel take it, by their parameter
         names: GPU slots, control words, mapping, group words, LRU versions and ring, the CPU free
-        list and its copies, counters, and PB-LRU's bitmaps and stamps (stand-ins under exact LRU)."""
+        list and its copies, counters, and PB-LRU's bitmaps and stamps (stand-ins under exact LRU).
+        Built once a group (about twenty views: tens of microseconds of host time a launch)."""
+        cache = self.__dict__.setdefault("_group_kwargs", {})
+        if g not in cache:
+            cache[g] = self._build_group_kwargs(g)
+        return cache[g]
+
+    @functools.cached_property
+    def row_words(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The GPU and CPU rows as the kernels move them (``operands.as_words``) and the elements
+        of their widest vector (``rows.vector_unit``): fixed for the state's life."""
+        gpu, cpu = operands.as_words(self.gpu_data), operands.as_words(self.cpu_data)
+        return gpu, cpu, vector_unit(gpu.shape[-1], gpu, cpu)
+
+    def _build_group_kwargs(self, g: int) -> dict[str, object]:
         return {
             "G": self.gpu_slots,
             "ctl_ptr": self.ctl,
