@@ -677,11 +677,11 @@ def apply_grid(st, T: int, write: bool, tiling: Tiling) -> tuple[tuple[int], int
     or fewer when the call cannot have that much work. Sized on the host from the call's shape
     alone: no read-back."""
     slots = program_slots(st.ctl.device)
-    element_programs = triton.cdiv(T, tiling.elements) if (not write or st.policy == K.EXACT_LRU) else 0
-    homed_programs = min(triton.cdiv(T, tiling.rows), slots) if write else 0
-    work = triton.cdiv(T, tiling.rows)  # a call moves at most T misses
+    element_programs = K.cdiv(T, tiling.elements) if (not write or st.policy == K.EXACT_LRU) else 0
+    homed_programs = min(K.cdiv(T, tiling.rows), slots) if write else 0
+    work = K.cdiv(T, tiling.rows)  # a call moves at most T misses
     if st.policy == K.EXACT_LRU:  # and, compacting, the ring's blocks
-        work += triton.cdiv(st.q_slot.shape[1], K.CHUNK)
+        work += K.cdiv(st.q_slot.shape[1], K.CHUNK)
     return (element_programs + homed_programs + min(work, slots),), homed_programs
 
 

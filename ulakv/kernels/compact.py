@@ -25,7 +25,7 @@ import torch
 
 from ..errors import InvalidInputError
 from ._triton import INTERPRETED, tl, triton
-from .common import next_pow2
+from .common import cdiv, next_pow2
 from .operands import detached, may_overlap
 
 # Slots a program holds at once. On a GPU 1,024 int32 (4 KiB): 80 registers a thread and 24
@@ -176,7 +176,7 @@ def compact_slots(
     sizes, (s, o, c) = dims
     block = min(MAX_BLOCK, max(MIN_BLOCK, next_pow2(K)))
     rows = TILE // block
-    compact_kernel[(triton.cdiv(n, rows),)](
+    compact_kernel[(cdiv(n, rows),)](
         src_ptr=src,
         dst_ptr=dst,
         cnt_ptr=cnt,

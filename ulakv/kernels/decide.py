@@ -176,7 +176,7 @@ def decide_kernel(
 def decide(st, g: int, scratch, T: int) -> int:
     """Launch decide for group ``g``'s plan of ``T`` selection elements: one program a chunk.
     Returns launches (1)."""
-    decide_kernel[(triton.cdiv(T, K.CHUNK),)](
+    decide_kernel[(K.cdiv(T, K.CHUNK),)](
         ctl_ptr=st.ctl,
         T=T,
         G=st.gpu_slots,

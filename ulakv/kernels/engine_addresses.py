@@ -136,7 +136,7 @@ def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: i
     if not admit:
         return 1
     # Blocks on the grid's first axis (up to 2**31 - 1 programs), groups on the second (65,535).
-    mark_live_kernel[(triton.cdiv(n, K.BLOCK), state.num_groups)](
+    mark_live_kernel[(K.cdiv(n, K.BLOCK), state.num_groups)](
         addr_ptr=addrs, n=n, map_ptr=state.mapping, N=state.num_addresses, ctl_ptr=state.ctl, BLOCK=K.BLOCK
     )
     return 2

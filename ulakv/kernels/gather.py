@@ -63,7 +63,7 @@ def gather(addrs, mapping, gpu_slots: int, gpu_layer, cpu_layer) -> torch.Tensor
     if n:
         unit = vector_unit(W, gpu_layer, cpu_layer, out)
         vectors, vecs = vectors_per_row(W, unit)
-        gather_kernel[(triton.cdiv(n, ROWS),)](
+        gather_kernel[(K.cdiv(n, ROWS),)](
             addr_ptr=addrs,
             n=n,
             map_ptr=mapping,

@@ -463,7 +463,7 @@ def classify_programs(st, T: int) -> int:
     compacting call scans the ring up to its tail) or ranges of CHUNK slots (PB-LRU), each program
     taking every P-th."""
     blocks = st.gpu_slots if st.policy == K.PBLRU else st.q_slot.shape[1]
-    return max(triton.cdiv(T, K.CHUNK), min(triton.cdiv(blocks, K.CHUNK), program_slots(st.ctl.device)))
+    return max(K.cdiv(T, K.CHUNK), min(K.cdiv(blocks, K.CHUNK), program_slots(st.ctl.device)))
 
 
 def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int) -> int:
@@ -472,7 +472,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
     stats; under PB-LRU a prepare then ends its round (``round_end``); last, ``decide`` writes each
     miss's moves. Returns the number of launches (3, or 4 with a round end)."""
     T = sel.numel()
-    grid = (triton.cdiv(T, K.CHUNK),)
+    grid = (K.cdiv(T, K.CHUNK),)
     mapping, claim, mark, ctl, gpu_slots = st.mapping[g], st.claim, st.mark, st.ctl, st.gpu_slots
     N = mapping.numel()
     claim_kernel[grid](

@@ -104,8 +104,8 @@ def end_round(st, g: int) -> int:
         raise ValueError(
             f"{st.gpu_slots} GPU slots need {kw['n_levels']} bitmap levels; the round end takes {LEVELS - 1}"
         )
-    leaves = triton.cdiv(st.gpu_slots, 32)  # a bucket's leaf words (st.levels[1], kept on the device)
-    round_end_kernel[(triton.cdiv(leaves, LEAVES),)](
+    leaves = K.cdiv(st.gpu_slots, 32)  # a bucket's leaf words (st.levels[1], kept on the device)
+    round_end_kernel[(K.cdiv(leaves, LEAVES),)](
         ctl_ptr=st.ctl,
         bits_ptr=kw["bits_ptr"],
         BW=kw["BW"],

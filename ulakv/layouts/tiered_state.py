@@ -232,7 +232,7 @@ class TieredState(_Tensors):
     def num_groups(self) -> int:
         return self.mapping.shape[0]
 
-    @property
+    @functools.cached_property
     def policy(self) -> int:
         """K.EXACT_LRU or K.PBLRU, as the kernels' POLICY constexpr."""
         return K.EXACT_LRU if self.q_slot.shape[1] > 1 else K.PBLRU
