@@ -400,22 +400,40 @@ def test_the_counter_counts_what_an_op_creates() -> None:
     assert counter.total == 901, dict(counter.by_op)
 
 
-def _launched(rank: int, world: int) -> list[str]:
+def _prepared(twins: bool, rank: int, world: int) -> tuple[list[str], list[torch.Tensor]]:
+    """A small fetch-mode pool's kernel launches in one prepare, and its slots over three prepares
+    (misses, hits, padding), with the census and exchange kernels or their twins."""
     from ulakv import EntrySpec, Pool, PoolConfig, Striped, Tiered
+    from ulakv.layouts import row_exchange
 
     layout = Striped(world=world, rank=rank, buffer_slots=8, inner=Tiered(gpu_slots=8))
     pool = Pool(PoolConfig(entry=EntrySpec(bytes_per_layer=8), num_layers=1, layout=layout))
-    seq = pool.admit(8)
-    pool.write(0, seq.addresses, torch.zeros((8, 8), dtype=torch.uint8))
+    if twins:
+        pool._census_state.kernel = C.census_reference
+        pool._exchange.kernels = row_exchange.REFERENCE
+    seq = pool.admit(12)
+    pool.write(0, seq.addresses, (torch.arange(96) % 251).to(torch.uint8).view(12, 8))
+    slots = []
     with count_launches() as names:
-        pool.prepare(0, seq.addresses.view(1, 8).int())
-    return names
+        slots.append(pool.prepare(0, seq.addresses[:8].view(1, 8).int()).slots)
+    slots.append(pool.prepare(0, seq.addresses[[9, 0, 9, 1]].view(2, 2)).slots)
+    slots.append(pool.prepare(0, torch.tensor([[-1, 11, 3, -1]])).slots)
+    return names, slots
+
+
+def _launched(rank: int, world: int) -> dict:
+    names, slots = _prepared(False, rank, world)
+    _, twin_slots = _prepared(True, rank, world)
+    return {"names": names, "same": all(torch.equal(a, b) for a, b in zip(slots, twin_slots, strict=True))}
 
 
 def test_a_fetch_prepare_runs_the_census_and_exchange_kernels() -> None:
-    names = run_ranks(_launched, 2)[0]
-    assert names[0] == "census_kernel"
-    assert {"homes_kernel", "place_kernel", "slots_kernel"} <= set(names), names
-    # The census, the buffer's plan (3), the slice's prepare (4), the fetch's plan (2), the
-    # buffer's apply, the merge: docs/design.md's count.
-    assert names[-1] == "slots_kernel" and len(names) == 12, names
+    """The pool runs the kernels under test (and with their twins swapped in, the same slots)."""
+    for r in run_ranks(_launched, 2):
+        names = r["names"]
+        assert names[0] == "census_kernel"
+        assert {"homes_kernel", "place_kernel", "slots_kernel"} <= set(names), names
+        # The census, the buffer's plan (3), the slice's prepare (4), the fetch's plan (2), the
+        # buffer's apply, the merge: docs/design.md's count.
+        assert names[-1] == "slots_kernel" and len(names) == 12, names
+        assert r["same"]
