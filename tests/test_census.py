@@ -83,8 +83,8 @@ def one_hot_exchange(flat, scratch, inner_slots, world, rank, width, dummy):
 
 
 def _live(seed: int) -> torch.Tensor:
-    live = torch.rand(N, generator=torch.Generator().manual_seed(seed)) < 0.9
-    return live
+    """Which of the N addresses are admitted: about 9 in 10."""
+    return torch.rand(N, generator=torch.Generator().manual_seed(seed)) < 0.9
 
 
 def _case(name: str) -> tuple[torch.Tensor, dict]:
@@ -400,9 +400,9 @@ def test_the_counter_counts_what_an_op_creates() -> None:
     assert counter.total == 901, dict(counter.by_op)
 
 
-def _prepared(twins: bool, rank: int, world: int) -> tuple[list[str], list[torch.Tensor]]:
-    """A small fetch-mode pool's kernel launches in one prepare, and its slots over three prepares
-    (misses, hits, padding), with the census and exchange kernels or their twins."""
+def _prepared(twins: bool, rank: int, world: int) -> tuple[list[str], list[torch.Tensor], list]:
+    """A small fetch-mode pool's kernel launches in one prepare, and its slots and censuses over
+    three prepares (misses, hits, padding), with the census and exchange kernels or their twins."""
     from ulakv import EntrySpec, Pool, PoolConfig, Striped, Tiered
     from ulakv.layouts import row_exchange
 
@@ -413,23 +413,27 @@ def _prepared(twins: bool, rank: int, world: int) -> tuple[list[str], list[torch
         pool._exchange.kernels = row_exchange.REFERENCE
     seq = pool.admit(12)
     pool.write(0, seq.addresses, (torch.arange(96) % 251).to(torch.uint8).view(12, 8))
-    slots = []
+    slots, censuses = [], []
     with count_launches() as names:
         slots.append(pool.prepare(0, seq.addresses[:8].view(1, 8).int()).slots)
-    slots.append(pool.prepare(0, seq.addresses[[9, 0, 9, 1]].view(2, 2)).slots)
-    slots.append(pool.prepare(0, torch.tensor([[-1, 11, 3, -1]])).slots)
-    return names, slots
+    censuses.append(pool._census_state.result.tolist())
+    for topk in (seq.addresses[[9, 0, 9, 1]].view(2, 2), torch.tensor([[-1, 11, 3, -1]])):
+        slots.append(pool.prepare(0, topk).slots)
+        censuses.append(pool._census_state.result.tolist())
+    return names, slots, censuses
 
 
 def _launched(rank: int, world: int) -> dict:
-    names, slots = _prepared(False, rank, world)
-    _, twin_slots = _prepared(True, rank, world)
-    return {"names": names, "same": all(torch.equal(a, b) for a, b in zip(slots, twin_slots, strict=True))}
+    names, slots, censuses = _prepared(False, rank, world)
+    _, twin_slots, twin_censuses = _prepared(True, rank, world)
+    same = all(torch.equal(a, b) for a, b in zip(slots, twin_slots, strict=True))
+    return {"names": names, "same": same and censuses == twin_censuses, "censuses": censuses}
 
 
 def test_a_fetch_prepare_runs_the_census_and_exchange_kernels() -> None:
     """The pool runs the kernels under test (and with their twins swapped in, the same slots)."""
-    for r in run_ranks(_launched, 2):
+    results = run_ranks(_launched, 2)
+    for r in results:
         names = r["names"]
         assert names[0] == "census_kernel"
         assert {"homes_kernel", "place_kernel", "slots_kernel"} <= set(names), names
@@ -437,3 +441,5 @@ def test_a_fetch_prepare_runs_the_census_and_exchange_kernels() -> None:
         # buffer's apply, the merge: docs/design.md's count.
         assert names[-1] == "slots_kernel" and len(names) == 12, names
         assert r["same"]
+    assert results[0]["censuses"] == results[1]["censuses"]  # every rank, the same census
+    assert results[0]["censuses"][0] == [0, 4, 4, 4, 4]  # 4 distinct a home, all missing the buffer
