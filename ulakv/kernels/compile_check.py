@@ -137,7 +137,12 @@ def drive_pool() -> None:
     )
     exchange = RowExchange(2, 1, 4, 2, 656, flat.device)
     slots = torch.zeros(4, dtype=torch.int32)
-    exchange.plan(flat, plan.scratch, slots, 40)
+    for selection in (flat, flat.int()):  # an engine's top-k is often int32: read as it is
+        census.take(
+            selection, live=live, per_home=4, most=8, buffer_map=state.mapping[0], buffer_slots=40,
+            fetch_width=4,
+        )  # fmt: skip
+        exchange.plan(selection, plan.scratch, slots, 40)
     exchange.merge_slots(fetched.local, slots, 41)
     search(bucket_bits(torch.ones(40, dtype=torch.bool)), 40, 4)
     # Engine-owned addresses (both check variants, and release's checked one), then FlashInfer's layout.
