@@ -52,7 +52,8 @@ def words_size(world: int) -> int:
 # Not specialised: every int (T varies each call; N, B, rank and the limits are pool constants that
 # feed no vectorisable access: specialising them only splits binaries by rank or pool size); the
 # caller's selection and the buffer mapping's row, whose alignment varies. WORLD, LANES (the pool's),
-# UNIQUE (a write), FETCH (a fetch-mode prepare), CHUNK: constexprs, four variants a pool at most.
+# UNIQUE (a write), FETCH (a fetch-mode prepare), CHUNK: constexprs. A pool compiles one variant a
+# mode (a write's, a local prepare's or a read's, a fetch-mode prepare's) and selection dtype.
 @triton.jit(
     do_not_specialize=["T", "N", "B", "rank", "per_home", "most", "fetch_width"],
     do_not_specialize_on_alignment=["sel_ptr", "map_ptr"],
