@@ -18,15 +18,19 @@ import pytest
 KERNELS = [
     "_search_kernel",
     "apply_kernel",
+    "census_kernel",
     "claim_kernel",
     "classify_kernel",
     "compact_kernel",
     "decide_kernel",
     "engine_addresses_kernel",
     "gather_kernel",
+    "homes_kernel",
     "mark_live_kernel",
+    "place_kernel",
     "release_kernel",
     "round_end_kernel",
+    "slots_kernel",
 ]
 
 # Resident warps an SM a memory-bound kernel needs at least to hide HBM latency (of 64 on sm_90).

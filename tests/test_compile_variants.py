@@ -134,6 +134,51 @@ def _serve_buffer(policy, width: int, on_step) -> None:
         on_step(step)
 
 
+def _serve_striped(policy, width: int, on_step) -> None:
+    """A fetch-mode striped rank's census and fetch bookkeeping around its buffer's plan, as
+    ``StripedPool.prepare`` drives them (no process group: the collective moves nothing the keys
+    depend on): int32 selections at any offset of the engine's buffer, every group, a write's and a
+    local-mode census, a refused call's plan."""
+    import torch
+
+    from ulakv import EntrySpec, PoolConfig, Tiered
+    from ulakv.kernels.operands import readable_rows
+    from ulakv.layouts.census import CensusState
+    from ulakv.layouts.row_exchange import RowExchange
+    from ulakv.layouts.tiered_state import BufferState, TieredLayout
+
+    cfg = PoolConfig(
+        entry=EntrySpec(bytes_per_layer=width),
+        num_layers=LAYERS,
+        layers_per_group=PER_GROUP,
+        layout=Tiered(gpu_slots=GPU_SLOTS, cpu_slots=0, policy=policy),
+        validate=False,
+    )
+    state = BufferState.allocate(cfg, addresses=4096)
+    layout = TieredLayout(cfg, state)
+    census = CensusState(3, 1, 4096, torch.device("cpu"))
+    exchange = RowExchange(3, 1, 40, PER_GROUP, width, torch.device("cpu"))
+    live = torch.ones(4096, dtype=torch.bool)
+    topk = torch.arange(MAX_BATCH * QUERIES * TOP_K + 8, dtype=torch.int32) % 4096
+    for step, batch in enumerate(BATCHES):
+        T = batch * QUERIES * TOP_K
+        flat = topk[step % 5 : step % 5 + T]  # the step's selection starts anywhere in the buffer
+        census.take(flat, live=live, unique=True)  # a write's
+        census.take(flat, live=live, per_home=40)  # a local-mode prepare's, or a read's
+        for group in range(cfg.num_groups):
+            found = census.take(
+                flat, live=live, per_home=40, most=GPU_SLOTS, buffer_map=state.mapping[group],
+                buffer_slots=GPU_SLOTS, fetch_width=40,
+            )  # fmt: skip
+            plan, _ = layout.plan(group, flat, out=exchange.buffer_slots_for(T))
+            slots = torch.zeros(T, dtype=torch.int32)
+            _, fetch_rows, _ = exchange.plan(flat, plan.scratch, slots, GPU_SLOTS)
+            _, gathered = exchange.views(len(cfg.group_layers(group)))
+            layout.execute(plan, fetched=readable_rows(gathered), fetch_rows=fetch_rows)
+            exchange.merge_slots(found.local, slots, GPU_SLOTS + 1)
+        on_step(step)
+
+
 def _serve_engine(policy, width: int, on_step) -> None:
     """An engine-owned pool as the SGLang store drives it: the engine's own slots (``loc``, int64
     views of its ``out_cache_loc`` buffer; 0 its padding) made live each step, written, selected
@@ -207,10 +252,20 @@ def _unknown_exclusions() -> dict[str, list[str]]:
     ignores them silently: a typo would bring the variants back)."""
     from triton.runtime.jit import JITFunction
 
-    from ulakv.kernels import apply, buckets, compact, engine_addresses, gather, lookup, release
+    from ulakv.kernels import (
+        apply,
+        buckets,
+        census,
+        compact,
+        engine_addresses,
+        exchange,
+        gather,
+        lookup,
+        release,
+    )
 
     unknown = {}
-    for module in (apply, buckets, compact, engine_addresses, gather, lookup, release):
+    for module in (apply, buckets, census, compact, engine_addresses, exchange, gather, lookup, release):
         for name, fn in vars(module).items():
             if isinstance(fn, JITFunction):
                 params = {p.name for p in fn.params}
@@ -251,6 +306,7 @@ def _main() -> None:
             ("pblru_words64", _serve, PBLRU(4), 64),
             ("buffer_lru_words20", _serve_buffer, ExactLRU(), 20),
             ("buffer_pblru_bytes6", _serve_buffer, PBLRU(4), 6),
+            ("striped_lru_words20", _serve_striped, ExactLRU(), 20),
             ("engine_lru_words20", _serve_engine, ExactLRU(), 20),
             ("engine_pblru_bytes6", _serve_engine, PBLRU(4), 6),
         ]
@@ -320,6 +376,10 @@ def test_no_new_kernel_variant_after_the_first_step(report: dict) -> None:
         "mark_live_kernel",
         "compact_kernel",
         "round_end_kernel",
+        "census_kernel",
+        "homes_kernel",
+        "place_kernel",
+        "slots_kernel",
     }
 
 

@@ -416,10 +416,11 @@ def pool_bytes(pool, index: bool = False) -> Bytes:
     if isinstance(pool, StripedPool):
         b = _tiered_bytes(pool.inner)  # its GPU rows are the first rows of the rank's buffer tensor
         b.gpu_meta += _nbytes(pool._live) + _nbytes(pool._ctl) + _nbytes(pool._bytes_needed)
+        b.gpu_meta += sum(_nbytes(t) for t in pool._census_state.tensors().values())  # 4 B an address
         if pool._buffer is not None:  # fetch mode: the buffer, its state, and the fetch's all-gather
             buffer_meta = sum(_nbytes(t) for k, t in pool._buffer.tensors().items() if k != "gpu_data")
             b.gpu_buffers = _nbytes(pool._rows) - b.gpu_rows
-            exchange = _nbytes(pool._exchange.send) + _nbytes(pool._exchange.gathered)
+            exchange = sum(_nbytes(t) for t in pool._exchange.tensors().values())  # rows and scratch
             b.gpu_meta += buffer_meta + pool._buffer_layout.call_bytes() + exchange
     elif isinstance(pool, OffloadPool):
         meta = sum(_nbytes(t) for s in pool._buffers for k, t in s.state.tensors().items() if k != "gpu_data")
@@ -438,8 +439,10 @@ def _reserve(pool, elements: int) -> None:
         return
     if isinstance(pool, StripedPool):
         pool.inner.reserve_scratch(elements)
+        pool._census_state.local_for(elements)
         if pool._buffer is not None:
             pool._buffer_layout.reserve(elements)
+            pool._exchange.buffer_slots_for(elements)
     else:
         pool.reserve_scratch(elements)
 

@@ -83,8 +83,9 @@ PBLRU = 1
 ST_BAD_ADDRESS = tl.constexpr(1)
 ST_DUPLICATE = tl.constexpr(2)
 ST_TOO_LARGE = tl.constexpr(4)
-# Set by a striped pool (never by a kernel) before planning: one home's share of the selection is
-# more than its slice may bring in, or more of it misses the buffer than a fetch carries from a rank.
+# Set by a striped pool's census (``kernels/census.py``) before planning, never by a tiered pool's
+# kernels: one home's share of the selection is more than its slice may bring in, or more of it
+# misses the buffer than a fetch carries from a rank.
 ST_HOME_LIMIT = tl.constexpr(8)
 # Set by ``admit_addresses`` (engine-owned addresses): more addresses would be live than the pool holds.
 ST_FULL = tl.constexpr(16)

@@ -90,13 +90,16 @@ def intercept_launches(arch: int, on_launch: OnLaunch) -> Iterator[None]:
 
 def drive_pool() -> None:
     """Every launch the pool makes, in each configuration the tool covers: two row widths (words
-    and bytes), both policies, a striped rank's buffer, PB-LRU's standalone search, an engine-owned
+    and bytes), both policies, a striped rank's buffer, census and fetch bookkeeping, PB-LRU's
+    standalone search, an engine-owned
     pool's admission and release, and ``compact_slots``."""
     import torch
 
     from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered, compact_slots
     from ulakv.kernels.buckets import bucket_bits, search
     from ulakv.kernels.operands import readable_rows
+    from ulakv.layouts.census import CensusState
+    from ulakv.layouts.row_exchange import RowExchange
     from ulakv.layouts.tiered_state import BufferState, TieredLayout
 
     for width, policy in ((656, ExactLRU()), (5, ExactLRU()), (656, PBLRU(4))):  # words, bytes
@@ -123,6 +126,24 @@ def drive_pool() -> None:
         flat = torch.arange(4, dtype=torch.int64)
         plan, _ = layout.plan(0, flat)
         layout.execute(plan, fetched=readable_rows(torch.zeros((4, 2, width), dtype=torch.uint8)))
+    # A striped rank's census (a write's, a local or read one's, a fetch-mode prepare's) and its
+    # fetch's bookkeeping, as StripedPool launches them, on the last buffer's plan.
+    census = CensusState(2, 1, 64, flat.device)
+    live = torch.ones(64, dtype=torch.bool)
+    census.take(flat, live=live, unique=True)
+    census.take(flat, live=live, per_home=4)
+    fetched = census.take(
+        flat, live=live, per_home=4, most=8, buffer_map=state.mapping[0], buffer_slots=40, fetch_width=4
+    )
+    exchange = RowExchange(2, 1, 4, 2, 656, flat.device)
+    slots = torch.zeros(4, dtype=torch.int32)
+    for selection in (flat, flat.int()):  # an engine's top-k is often int32: read as it is
+        census.take(
+            selection, live=live, per_home=4, most=8, buffer_map=state.mapping[0], buffer_slots=40,
+            fetch_width=4,
+        )  # fmt: skip
+        exchange.plan(selection, plan.scratch, slots, 40)
+    exchange.merge_slots(fetched.local, slots, 41)
     search(bucket_bits(torch.ones(40, dtype=torch.bool)), 40, 4)
     # Engine-owned addresses (both check variants, and release's checked one), then FlashInfer's layout.
     engine = Pool(cfg.replace(engine_addresses=64, page_size=64))

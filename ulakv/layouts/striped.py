@@ -41,7 +41,7 @@ from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import release as release_mod
 from ..kernels.operands import detached, readable_indices
-from .census import Census, hand_to, take_census
+from .census import Census, CensusState, hand_to
 from .row_exchange import RowExchange, all_gather
 from .tiered import TieredPool
 from .tiered_state import BufferState, TieredLayout
@@ -89,6 +89,7 @@ class StripedPool(PoolFrame):
                 lay.world, lay.rank, lay.fetch_width, config.layers_per_group, width, self.device
             )
         self._live = torch.zeros(lay.capacity, dtype=torch.bool, device=self.device)  # admitted addresses
+        self._census_state = CensusState(lay.world, lay.rank, lay.capacity, self.device)
         self._allocator = LogicalAllocator(lay.capacity)
         self._id = next(_ids)
         self._debug = debug_enabled()
@@ -168,10 +169,6 @@ class StripedPool(PoolFrame):
         self._after_call()
 
     # -- the hot path ----------------------------------------------------------------------------
-    def _local_of(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mine = (flat >= 0) & (flat % self.world == self.rank)
-        return mine, torch.where(mine, flat // self.world, -1)
-
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
         """Every rank passes the full rows; each keeps those homed on it and, in fetch mode,
         refreshes its buffer's copies of any written entry (no communication)."""
@@ -180,13 +177,13 @@ class StripedPool(PoolFrame):
         self._raise_refused()
         if addrs.numel() == 0:
             return
-        flat = addrs.to(torch.int64)
+        flat = readable_indices(addrs)
         census = self._census(flat, unique=True)
         self._settle("write", census, [self.inner._layout.context(self.config.group_of(layer)).ctl])
         rows = detached(rows, self._rows)  # index_copy_ below refuses an overlap, after inner's write
-        _, local = self._local_of(flat)
-        self.inner.write(layer, local, rows)
+        self.inner.write(layer, census.local, rows)
         if self._buffer is not None:
+            flat = flat.long()
             g = self.config.group_of(layer)
             held = self._buffer.mapping[g, flat.clamp(min=0)]
             cached = (flat >= 0) & (held >= 0) & (held < self._buffer.gpu_slots) & (census.status == 0)
@@ -207,43 +204,39 @@ class StripedPool(PoolFrame):
             raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
         self.inner._check_device("prepare: topk", topk)
         self._raise_refused()
-        flat = readable_indices(topk.to(torch.int64))
+        flat = readable_indices(topk)  # int32 or int64, read in place when packed
         if flat.numel() == 0:
             return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
         if self.local:
             census = self._census(flat)
             self._settle("prepare", census, [self.inner._layout.context(group).ctl])
-            _, local = self._local_of(flat)
-            slots = self.inner.prepare(group, local.view(1, -1)).slots
+            slots = self.inner.prepare(group, census.local.view(1, -1)).slots
         else:
             census = self._census(flat, group=group)
             self._settle("prepare", census, [self._buffer.ctl, self.inner._layout.context(group).ctl])
             try:
-                slots = self._fetch_and_apply(group, flat, census.status)
+                slots = self._fetch_and_apply(group, flat, census)
             except BaseException as exc:
                 # The buffer's plan has taken slots and moved its policy, and the ranks may be out of
                 # step: nothing further on this pool can be trusted.
                 self._broken = f"{type(exc).__name__}: {exc}"
                 raise
         self._finish_call()
-        return Selection(group, slots.to(torch.int32).view(topk.shape))
+        return Selection(group, slots.view(topk.shape))
 
     def _census(self, flat: torch.Tensor, *, unique: bool = False, group: int | None = None) -> Census:
         """The call's census (``ulakv.layouts.census``): the same on every rank. With ``group``, a
         fetch-mode prepare's: its buffer's limits too."""
         lay: Striped = self.config.layout
-        buffered = None
-        if group is not None:
-            mapping, B = self._buffer.mapping[group], self._buffer.gpu_slots
-            buffered = lambda a: (mapping[a] >= 0) & (mapping[a] < B)
-        return take_census(
+        fetch = group is not None
+        return self._census_state.take(
             flat,
-            world=self.world,
             live=self._live,
             per_home=None if unique else lay.per_home_selection,  # a write brings nothing in
-            most=lay.buffer_slots if group is not None else None,
+            most=lay.buffer_slots if fetch else None,
             unique=unique,
-            buffered=buffered,
+            buffer_map=self._buffer.mapping[group] if fetch else None,
+            buffer_slots=self._buffer.gpu_slots if fetch else 0,
             fetch_width=lay.fetch_width,
         )
 
@@ -264,13 +257,17 @@ class StripedPool(PoolFrame):
     def _finish_call(self) -> None:
         self._after_call()
 
-    def _fetch_and_apply(self, group: int, flat: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
-        T, layers = flat.numel(), self.config.group_layers(group)
-        plan, _ = self._buffer_layout.plan(group, flat)
-        mine, local = self._local_of(flat)
-        inner_slots = self.inner.prepare(group, local.view(1, T)).slots.view(-1)
+    def _fetch_and_apply(self, group: int, flat: torch.Tensor, census: Census) -> torch.Tensor:
+        """The buffer's plan, the slice's prepare, the fetch, the buffer's apply: the slots (int32
+        ``[T]``, the one tensor of the selection's size this allocates), the slice's where homed
+        here, else the buffer's. 11 launches under exact LRU (buffer plan 3, slice 4, fetch plan 2,
+        buffer apply, merge) beside the census, and the all-gather."""
+        T, layers, status = flat.numel(), self.config.group_layers(group), census.status
         exchange = self._exchange
-        send_slots, fetch_rows, remote = exchange.plan(flat, plan.scratch, inner_slots, self._offset - 1)
+        plan, _ = self._buffer_layout.plan(group, flat, out=exchange.buffer_slots_for(T))
+        slots = torch.empty(T, dtype=torch.int32, device=self.device)
+        self.inner.run(self.inner.plan(group, census.local.view(1, T), out=slots))
+        send_slots, fetch_rows, remote = exchange.plan(flat, plan.scratch, slots, self._offset - 1)
         send, gathered = exchange.views(len(layers))
         # The rows of this home's misses, every layer of the group, gathered straight into send.
         torch.index_select(self._rows[layers.start : layers.stop].transpose(0, 1), 0, send_slots, out=send)
@@ -281,8 +278,8 @@ class StripedPool(PoolFrame):
             len(layers) * self.config.entry.bytes_per_layer
         )
         self._buffer_layout.execute(plan, fetched=gathered, fetch_rows=fetch_rows)
-        buffered = torch.where(plan.slots >= 0, self._offset + plan.slots, -1)
-        return torch.where(mine, inner_slots, buffered)
+        exchange.merge_slots(census.local, slots, self._offset)
+        return slots
 
     # -- slow paths ------------------------------------------------------------------------------
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
@@ -292,13 +289,15 @@ class StripedPool(PoolFrame):
         self.check()
         self.inner._check_layer(layer)
         self._check_addresses("read", addrs)
-        flat = addrs.reshape(-1).to(torch.int64).to(self.device)
+        flat = readable_indices(addrs.to(self.device)).to(torch.int64)  # packed: the census reads it
         if bool((flat < 0).any()):
             raise InvalidAddressError(f"read: addresses out of range [0, {self.capacity})")
-        status = int(self._census(flat).status) & int(K.ST_BAD_ADDRESS)  # a slow path: it may sync
+        census = self._census(flat)
+        status = int(census.status) & int(K.ST_BAD_ADDRESS)  # a slow path: it may sync
         if status:
             raise self._status_error("read", status, None)
-        mine, local = self._local_of(flat)
+        local = census.local.long()
+        mine = local >= 0
         out = torch.zeros(
             (flat.numel(), self.config.entry.bytes_per_layer), dtype=torch.uint8, device=self.device
         )
