@@ -8,8 +8,10 @@ Each request has an 8K-token context (admitted, so every position is live). The 
 synthetic DSA-shaped trace (``ulakv.traces.synthetic``: sinks, a local window, drifting heavy
 hitters, far picks partly reused, three speculative query positions). The GPU tier holds twice one
 step's working set, the CPU tier the rest. A first prepare fills every GPU slot, two steps of the
-trace follow, and the third is counted: its misses evict. The apply
-kernel is counted with its GPU tiling (``apply.GPU_TILING``). Runs under the Triton interpreter.
+trace follow, and the third is counted: its misses evict. Then a decode step's write is counted:
+one new token a request, written while the GPU is full (each evicts an entry not used this round,
+and takes a copy in a plain free CPU row where one lies below its pops). The apply kernel is
+counted with its GPU tiling (``apply.GPU_TILING``). Runs under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def measure(batch: int, policy) -> dict:
     """Build the pool, warm it, count one prepare. Returns the row of the table."""
     topk, working = selections(batch)
     gpu = 2 * working
-    cpu = batch * CONTEXT - gpu + 1
+    cpu = batch * (CONTEXT + 1) - gpu + 1  # room for the counted write's new tokens
     pool = Pool(
         PoolConfig(
             entry=EntrySpec(bytes_per_layer=16),
@@ -89,6 +91,14 @@ def measure(batch: int, policy) -> dict:
     finally:
         apply_mod.TILING = tiling
     after = pool.stats()
+    new = torch.cat([pool.extend(seq, 1) for seq in seqs])
+    rows = torch.full((batch, 16), 7, dtype=torch.uint8)
+    tiling, apply_mod.TILING = apply_mod.TILING, apply_mod.GPU_TILING
+    try:
+        with count_memory_ops() as writes:
+            pool.write(0, new, rows)
+    finally:
+        apply_mod.TILING = tiling
     misses = after["misses"] - before["misses"]
     hits = after["hits"] - before["hits"]
     return dict(
@@ -108,6 +118,8 @@ def measure(batch: int, policy) -> dict:
         # least its programs' operations shared by the slots (``Launch.length``).
         in_waves=" + ".join(f"{launch.kernel} {launch.length(GPU_PROGRAM_SLOTS)}" for launch in launches),
         critical_path_in_waves=critical_path(launches, slots=GPU_PROGRAM_SLOTS),
+        write_launches=" + ".join(f"{launch.kernel} {launch.busiest}" for launch in writes),
+        write_path=critical_path(writes),
     )
 
 
@@ -127,8 +139,9 @@ def main() -> None:
         "all_programs",
         "in_waves",
     ]
-    print("| " + " | ".join([*columns, "critical_path", "critical_path_in_waves"]) + " |")
-    print("|---" * (len(columns) + 2) + "|")
+    extra = ["critical_path", "critical_path_in_waves", "write_launches", "write_path"]
+    print("| " + " | ".join([*columns, *extra]) + " |")
+    print("|---" * (len(columns) + len(extra)) + "|")
     for batch in args.batch:
         for policy in (ExactLRU(), PBLRU(8)):
             t0 = time.perf_counter()
@@ -136,6 +149,8 @@ def main() -> None:
             cells = [str(row[c]) for c in columns] + [
                 f"**{row['critical_path']}**",
                 f"**{row['critical_path_in_waves']}**",
+                row["write_launches"],
+                f"**{row['write_path']}**",
             ]
             print("| " + " | ".join(cells) + " |", flush=True)
             print(f"<!-- {time.perf_counter() - t0:.0f} s -->", flush=True)
