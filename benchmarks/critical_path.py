@@ -8,9 +8,10 @@ Each request has an 8K-token context (admitted, so every position is live). The 
 synthetic DSA-shaped trace (``ulakv.traces.synthetic``: sinks, a local window, drifting heavy
 hitters, far picks partly reused, three speculative query positions). The GPU tier holds twice one
 step's working set, the CPU tier the rest. A first prepare fills every GPU slot, two steps of the
-trace follow, and the third is counted: its misses evict; then the write of the step's new tokens
-(one a request), whose entries evict too. The apply
-kernel is counted with its GPU tiling (``apply.GPU_TILING``). Runs under the Triton interpreter.
+trace follow, and the third is counted: its misses evict. Then a decode step's write is counted:
+one new token a request, written while the GPU is full (each evicts an entry not used this round,
+and takes a copy in a plain free CPU row where one lies below its pops). The apply kernel is
+counted with its GPU tiling (``apply.GPU_TILING``). Runs under the Triton interpreter.
 """
 
 from __future__ import annotations

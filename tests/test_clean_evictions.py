@@ -6,6 +6,10 @@ they cost, what ends a copy (a rewrite on the GPU, a release, a pop for someone 
 which the CPU free list hands out plain rows and copies, and a tight CPU tier whose pops reach the
 copies. Then plans with clean and dirty victims stopped after each phase, the kernels against their
 references under traffic that evicts clean, and a pool against ``CPUTierModel`` row for row.
+
+The hand-worked pools here make copies by swap-ins alone (``Tiered(write_copies=False)``), so that a
+row written on the GPU has none; the kernels-against-references and row-for-row tests run both ways.
+The copies writes make are ``tests/test_write_copies.py``'s.
 """
 
 from __future__ import annotations
@@ -45,13 +49,20 @@ def tiered(
     layers: int = 3,
     per_group: int = 2,
     staging: int | None = None,
+    write_copies: bool = False,
 ) -> Pool:
     return Pool(
         PoolConfig(
             entry=EntrySpec(bytes_per_layer=width),
             num_layers=layers,
             layers_per_group=per_group,
-            layout=Tiered(gpu_slots=gpu, cpu_slots=cpu, policy=policy, staging_slots=staging),
+            layout=Tiered(
+                gpu_slots=gpu,
+                cpu_slots=cpu,
+                policy=policy,
+                staging_slots=staging,
+                write_copies=write_copies,
+            ),
             device="cpu",
         )
     )
@@ -591,18 +602,29 @@ KERNEL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("write_copies", [False, True], ids=["swap-in-copies", "write-copies"])
 @pytest.mark.parametrize(
     ("gpu", "cpu", "staging", "width", "layers", "per_group", "policy"),
     [c[1:] for c in KERNEL_CASES],
     ids=[c[0] for c in KERNEL_CASES],
 )
 def test_stages_match_reference_with_clean_evictions(
-    gpu, cpu, staging, width, layers, per_group, policy
+    gpu, cpu, staging, width, layers, per_group, policy, write_copies
 ) -> None:
-    """Admissions, rewrites (on either tier), prepares (some applied in the engine's split) and
-    releases; each call's stages equal their references, state and scratch, and the state at rest
-    (copies' bytes included) passes the structural check."""
-    pool = tiered(policy, gpu=gpu, cpu=cpu, width=width, layers=layers, per_group=per_group, staging=staging)
+    """Admissions, rewrites (on either tier; with write copies, through to an intact copy),
+    prepares (some applied in the engine's split) and releases; each call's stages equal their
+    references, state and scratch, and the state at rest (copies' bytes included) passes the
+    structural check."""
+    pool = tiered(
+        policy,
+        gpu=gpu,
+        cpu=cpu,
+        width=width,
+        layers=layers,
+        per_group=per_group,
+        staging=staging,
+        write_copies=write_copies,
+    )
     most = pool.config.layout.max_selection
     rng, gen = random.Random(3), torch.Generator().manual_seed(width)
     seqs, rewrote_copies = [], 0
@@ -620,7 +642,7 @@ def test_stages_match_reference_with_clean_evictions(
         elif op == "release" and len(seqs) > 1:
             seq = seqs.pop(rng.randrange(len(seqs)))
             release_against_reference(pool, seq)
-        elif op == "rewrite":  # of an entry with a copy where there is one: ends the copy
+        elif op == "rewrite":  # of an entry with a copy where there is one: ends it, or writes through
             with_copies = [x for x in range(layers) if copies(pool, pool.config.group_of(x))]
             layer = rng.choice(with_copies or list(range(layers)))
             held = list(copies(pool, pool.config.group_of(layer)))
@@ -690,17 +712,18 @@ def test_lru_lists_that_fall_short_carry_clean_victims_like_the_others() -> None
 # 7. a pool against CPUTierModel and the policy's model, row for row
 
 
+@pytest.mark.parametrize("write_copies", [False, True], ids=["swap-in-copies", "write-copies"])
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
-def test_pool_follows_the_cpu_tier_model_row_for_row(policy) -> None:
+def test_pool_follows_the_cpu_tier_model_row_for_row(policy, write_copies) -> None:
     """One group of one layer on a tight CPU tier (5 GPU slots, 4 CPU slots, 3 staging rows):
     the policy's model says which addresses move, ``CPUTierModel`` which rows they move to. After
-    every call the pool's free list (bottom first), its CPU homes, its trusted copies, its clean
-    evictions and its bytes out equal the models'."""
+    every call the pool's free list (bottom first), its plain rows on top, its CPU homes, its
+    trusted copies, its clean evictions and its bytes out equal the models'."""
     G, W, rows = 5, 5, 4 + 3
-    pool = tiered(policy, gpu=G, cpu=4, width=W, layers=1, per_group=1, staging=3)
+    pool = tiered(policy, gpu=G, cpu=4, width=W, layers=1, per_group=1, staging=3, write_copies=write_copies)
     lru = isinstance(policy, ExactLRU)
     order = ExactLRUModel(G) if lru else PBLRUModel(G, policy.num_buckets)
-    tier = CPUTierModel(rows)
+    tier = CPUTierModel(rows, write_copies)
     data = RowModel(W)
     rng, gen = random.Random(7), torch.Generator().manual_seed(7)
     seqs, bytes_out = [], 0
@@ -710,14 +733,15 @@ def test_pool_follows_the_cpu_tier_model_row_for_row(policy) -> None:
         homed_on_gpu = [a for a in addrs if a not in new and order.resident(a)]
         data.write(pool, 0, addr_tensor(addrs), random_rows(gen, len(addrs), W))
         placed, victims = order.write(addrs, new)
-        copied = tier.place(victims, [a for a in addrs if a in new][len(placed) :])
-        tier.rewrite(homed_on_gpu)
+        fresh = [a for a in addrs if a in new]
+        copied, made, through = tier.write(victims, fresh[len(placed) :], fresh[: len(placed)], homed_on_gpu)
         on_cpu = sum(not order.resident(a) for a in addrs)  # written in place or homed on the CPU
-        bytes_out += (copied + on_cpu) * W
+        bytes_out += (copied + made + on_cpu + through) * W  # one-layer rows
 
     def agree(step: int) -> None:
         where = f"step {step}: "
         assert free_rows(pool, 0) == tier.free_rows(), where + "free list"
+        assert int(pool._state.gctl[0, int(K.G_CPU_PLAIN)]) == tier.plain, where + "plain rows on top"
         stats = pool.stats()
         assert stats["clean_evictions"] == tier.clean_evictions, where + "clean evictions"
         assert stats["bytes_out"] == bytes_out, where + "bytes out"

@@ -80,18 +80,26 @@ class Tiered:
     its old home. A ``prepare`` may select at most ``max_selection`` distinct addresses per group.
     Default: ``gpu_slots`` (any selection that fits the GPU); 0 when there is no CPU tier, since a
     GPU-only pool never evicts.
+
+    ``write_copies`` (default on): a row written while a plain free CPU row exists also gets a clean
+    copy there, so that its eviction moves nothing (the copy is free space, dropped when the tier
+    needs the row); off, written rows get no copy until they are evicted (the behaviour before,
+    kept to measure against).
     """
 
     gpu_slots: int
     cpu_slots: int = 0
     policy: PolicyConfig = field(default_factory=ExactLRU)
     staging_slots: int | None = None
+    write_copies: bool = True
 
     def __post_init__(self) -> None:
         _check_int("Tiered.gpu_slots", self.gpu_slots, 1)
         _check_int("Tiered.cpu_slots", self.cpu_slots, 0)
         if self.staging_slots is not None:
             _check_int("Tiered.staging_slots", self.staging_slots, 1 if self.cpu_slots else 0)
+        if not isinstance(self.write_copies, bool):
+            raise ConfigError(f"Tiered.write_copies must be a bool, got {self.write_copies!r}")
         if self.cpu_slots == 0 and self.staging_slots:
             raise ConfigError("Tiered.staging_slots needs a CPU tier (cpu_slots > 0): nothing is evicted")
         total = self.gpu_slots + self.cpu_slots + self.cpu_staging

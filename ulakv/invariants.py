@@ -109,8 +109,9 @@ def check_invariants(
 
 def _check_copies(state, g: int, owner: torch.Tensor, cpu_free: torch.Tensor, layers: range | None) -> None:
     """Every free row knows its place in the free list, and every copy a clean eviction would
-    trust (a slot and a free row naming each other) is of an occupied slot and equal, every layer
-    of the group (``layers``; unchecked when ``None``), to the slot's bytes."""
+    trust (a slot and a free row naming each other) is of an occupied slot, not among the plain
+    rows on top of the list (``G_CPU_PLAIN``: a write takes its copies there), and equal, every
+    layer of the group (``layers``; unchecked when ``None``), to the slot's bytes."""
     cap = state.cpu_stack_size
     bot = int(state.gctl[g, int(K.G_CPU_BOT)])
     at = (bot + torch.arange(cpu_free.numel())) % cap
@@ -129,6 +130,10 @@ def _check_copies(state, g: int, owner: torch.Tensor, cpu_free: torch.Tensor, la
     free[cpu_free] = True
     if bool((~free[rows]).any()):
         _fail(g, "a CPU row that is someone's home is taken for a copy")
+    plain = int(state.gctl[g, int(K.G_CPU_PLAIN)])
+    on_top = cpu_free[cpu_free.numel() - plain :] if plain else cpu_free[:0]
+    if not 0 <= plain <= cpu_free.numel() or bool(torch.isin(rows, on_top).any()):
+        _fail(g, f"the {plain} plain rows on top of the free list include a copy a write would take")
     if layers is None:
         return
     gpu = state.gpu_data[layers.start : layers.stop].cpu()

@@ -47,6 +47,9 @@ class ReplayResult:
     system: str = "ulakv"  # ulakv (tiered), cpu_offload, replicated, striped
     peak_distinct_entries: int = 0  # at the step with the most physical slots in use
     peak_physical_slots: int = 0
+    # Bytes per step over the steps from ``warmup`` on (``replay(warmup=...)``; all steps when 0)
+    warm_bytes_in_per_step: float = 0.0
+    warm_bytes_out_per_step: float = 0.0
 
     @property
     def distinct_per_slot(self) -> float:
@@ -201,7 +204,8 @@ class _ModelTarget(_AddressBook):
         self.cfg = cfg
         self.models = [make() for _ in range(cfg.num_groups)]
         self.cpu_rows = cfg.layout.cpu_slots + cfg.layout.cpu_staging
-        self.tiers = [CPUTierModel(self.cpu_rows) for _ in range(cfg.num_groups)]
+        self.write_copies = cfg.layout.write_copies
+        self.tiers = [CPUTierModel(self.cpu_rows, self.write_copies) for _ in range(cfg.num_groups)]
         self.stats = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out", "victims"), 0)
         self.stats.update(victim_search_reads=-1, round_upkeep_reads=-1)  # models do not count words
         self.clean_before_reset = 0
@@ -215,12 +219,15 @@ class _ModelTarget(_AddressBook):
                 homed_on_gpu = [a for a in distinct(addresses) if a not in new and model.resident(a)]
                 placed, victims = model.write(addresses, new)
                 fresh = [a for a in distinct(addresses) if a in new]
-                copied = tier.place(victims, fresh[len(placed) :])
-                tier.rewrite(homed_on_gpu)
+                copied, made, through = tier.write(
+                    victims, fresh[len(placed) :], fresh[: len(placed)], homed_on_gpu
+                )
                 new = set()
                 self.stats["victims"] += len(victims)
                 on_cpu = sum(1 for a in addresses if not model.resident(a))
-                self.stats["bytes_out"] += copied * len(layers) * width + on_cpu * width
+                # victims' and new copies' rows, every layer; rows written on the CPU or through
+                moved = (copied + made) * len(layers) + on_cpu + through
+                self.stats["bytes_out"] += moved * width
 
     def admit(self, key: int, n: int) -> list[int]:
         addrs = self._admit(key, n)
@@ -249,7 +256,7 @@ class _ModelTarget(_AddressBook):
         del self.addresses[key]
         if not self.addresses:  # the pool resets its residency when no request is left
             self.clean_before_reset += sum(t.clean_evictions for t in self.tiers)
-            self.tiers = [CPUTierModel(self.cpu_rows) for _ in self.models]
+            self.tiers = [CPUTierModel(self.cpu_rows, self.write_copies) for _ in self.models]
 
     def counters(self) -> dict[str, int]:
         clean = self.clean_before_reset + sum(t.clean_evictions for t in self.tiers)
@@ -350,6 +357,7 @@ def replay(
     on_step: Callable[[int], None] | None = None,
     layout: LayoutConfig | None = None,
     belady: bool = True,
+    warmup: int = 0,
 ) -> ReplayResult:
     """Run ``trace`` with ``gpu_slots`` GPU slots per group and ``policy``; the CPU tier holds
     everything, so capacity never binds. ``backend="pool"`` runs a real pool (its kernels);
@@ -357,7 +365,9 @@ def replay(
     ``layout`` replaces the tiered layout: a ``Striped`` rank, for instance, whose buffer of
     ``gpu_slots`` is what the hits, misses and Belady figures describe, or a baseline;
     ``ReplayResult.pool_stats`` keeps the pool's own counters. ``belady=False`` skips the Belady
-    bound (its hit rate is then NaN): byte studies of long traces do not need it."""
+    bound (its hit rate is then NaN): byte studies of long traces do not need it. ``warmup``: the
+    ``warm_*`` figures count only the steps from this one on (a request admitted then still has
+    its prompt counted)."""
     groups = trace.groups
     total_tokens = sum(r.prompt_len + r.steps for r in trace.requests)
     cfg = PoolConfig(
@@ -375,7 +385,10 @@ def replay(
     addresses: dict[int, list[int]] = {}
     events: list[list[tuple[str, list[int]]]] = [[] for _ in range(groups)]
     prepares = 0
+    warm = dict.fromkeys(("bytes_in", "bytes_out"), 0)
     for step in range(trace.horizon):
+        if step == warmup:
+            warm = target.counters()
         active = []
         for i, r in enumerate(trace.requests):
             s = step - r.arrival
@@ -419,6 +432,7 @@ def replay(
         best_misses += m
     accesses = stats["hits"] + stats["misses"]
     steps = trace.horizon
+    counted = max(steps - warmup, 1)
     return ReplayResult(
         policy=policy_name(policy),
         gpu_slots=gpu_slots,
@@ -437,4 +451,6 @@ def replay(
         system=system_name(layout),
         peak_distinct_entries=peak[0],
         peak_physical_slots=peak[1],
+        warm_bytes_in_per_step=(stats["bytes_in"] - warm["bytes_in"]) / counted,
+        warm_bytes_out_per_step=(stats["bytes_out"] - warm["bytes_out"]) / counted,
     )

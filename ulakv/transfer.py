@@ -87,12 +87,13 @@ class TransferPlan:
         itself (``cpu_row``, -1: none), whether its victim goes back to its copy, a free row that
         still holds its bytes, with no bytes moved (``clean``), and the CPU row its victim's entry
         lives in afterwards (``victim_row``: the copy when clean, else ``cpu_row``; -1 for a miss
-        into a free slot, one without a slot, or a buffer's dropped victim). A refused call plans
-        no move."""
+        into a free slot, one without a slot, or a buffer's dropped victim), and the plain free row
+        a write's new entry takes its copy in (``copy_row``, -1: none). A refused call plans no
+        move."""
         ctl = self.ctl.cpu()
         planned = int(ctl[int(K.E_LAST_STATUS)]) == 0
         moves = self.scratch.moves[:, : int(ctl[int(K.E_MISSES)]) if planned else 0].cpu().to(torch.int64)
-        pos, slot, cpu_row, dest, _, flags = moves
+        pos, slot, cpu_row, dest, _, flags, copy = moves
         return {
             "position": pos,
             "address": self.addresses.cpu()[pos].to(torch.int64),
@@ -101,6 +102,7 @@ class TransferPlan:
             "cpu_row": cpu_row,
             "clean": (flags & int(K.MF_CLEAN)) != 0,
             "victim_row": torch.where(slot >= 0, dest, -1),
+            "copy_row": torch.where(slot >= 0, copy, -1),
         }
 
 

@@ -119,8 +119,9 @@ class MissTile(NamedTuple):
     index ``j`` among the misses (``live``: it exists), position and address, source home, GPU slot
     ``v`` (``has_slot``), whether it is past the free slots (``popping``), the CPU row it pops
     (``cpu_row``), the row that becomes a home at evict (``dest``), where its own CPU row joins the
-    free list (``push``), whether its victim's bytes stay (``clean``), and whether its popped row
-    takes its victim's copy's place (``refill``)."""
+    free list (``push``; a write's copy row's place), whether its victim's bytes stay (``clean``),
+    whether its popped row takes its victim's copy's place (``refill``), and the CPU row a write's
+    miss's rows go to (``copy``: its copy's plain row, or its home when it has no slot; -1: none)."""
 
     j: tl.tensor
     live: tl.tensor
@@ -135,13 +136,15 @@ class MissTile(NamedTuple):
     push: tl.tensor
     clean: tl.tensor
     refill: tl.tensor
+    copy: tl.tensor
 
 
 @triton.jit
-def _miss_tile(j, live, k_free, moves_ptr, cap, sel_ptr, home_ptr):
+def _miss_tile(j, live, k_free, moves_ptr, cap, sel_ptr, home_ptr, WRITE: tl.constexpr):
     """The call's misses ``j`` (``live``: those that exist) with the moves the plan decided for
     them (``k_free``: the misses into free slots): one load a word, all independent, then the
-    address and source home by position."""
+    address and source home by position. Only a write has copies to make (a prepare's ``copy`` is
+    -1, known to the compiler: the prepare variants keep their registers)."""
     moves = moves_ptr + j
     p = tl.load(moves + K.MV_POS * cap, mask=live, other=0)
     v = tl.load(moves + K.MV_SLOT * cap, mask=live, other=-1)
@@ -149,13 +152,16 @@ def _miss_tile(j, live, k_free, moves_ptr, cap, sel_ptr, home_ptr):
     dest = tl.load(moves + K.MV_DEST * cap, mask=live, other=-1)
     push = tl.load(moves + K.MV_PUSH * cap, mask=live, other=-1)
     flags = tl.load(moves + K.MV_FLAGS * cap, mask=live, other=0)
+    copy = tl.full(j.shape, -1, tl.int32)
+    if WRITE:
+        copy = tl.load(moves + K.MV_COPY * cap, mask=live, other=-1)
     a = tl.load(sel_ptr + p, mask=live, other=0).to(tl.int64)
     src = tl.load(home_ptr + p, mask=live, other=0)
     has_slot = live & (v >= 0)
     popping = live & (j >= k_free)
     clean = (flags & K.MF_CLEAN) != 0
     refill = (flags & K.MF_REFILL) != 0
-    return MissTile(j, live, p, a, src, has_slot, v, popping, cpu_row, dest, push, clean, refill)
+    return MissTile(j, live, p, a, src, has_slot, v, popping, cpu_row, dest, push, clean, refill, copy)
 
 
 @triton.jit
@@ -221,14 +227,17 @@ def _bring_in(
 ):
     """Phase ``in`` (data): each miss's rows, layers ``[in_lo, in_hi)`` of the group, into its GPU
     slot (or, a written entry with no slot, its CPU row): from its CPU home, a buffer's fetched
-    rows, or zeros (never written); a write's own layer from the caller's rows."""
+    rows, or zeros (never written); a write's own layer from the caller's rows. A write's new entry
+    given a copy stores the same rows, zeros included, in its copy's row."""
     vm = (tl.arange(0, VECS) < rows.n_vec)[None, :, None]
     from_cpu = (t.live & (t.src >= G))[:, None, None] & vm
     src2, _ = unit_offsets((t.src - G).to(tl.int64), rows.n_vec, VECS, UNIT)
     to_gpu = t.has_slot[:, None, None] & vm
-    to_cpu = (t.live & ~t.has_slot)[:, None, None] & vm
+    # Only a write stores a miss's rows in a CPU row (a prepare gives every miss a slot): the row
+    # the plan named (``copy``), its home when it has no slot, else its copy's plain row.
+    to_cpu = (t.copy >= 0)[:, None, None] & vm
     g2, _ = unit_offsets(t.v.to(tl.int64), rows.n_vec, VECS, UNIT)
-    c2, _ = unit_offsets(t.cpu_row.to(tl.int64), rows.n_vec, VECS, UNIT)
+    c2, _ = unit_offsets(t.copy.to(tl.int64), rows.n_vec, VECS, UNIT)
     if WRITE:
         p2, _ = unit_offsets(t.pos.to(tl.int64), rows.n_vec, VECS, UNIT)
         new_row = load_units(new_rows_ptr, p2, to_gpu | to_cpu, UNIT, UNIT_BYTES)
@@ -245,23 +254,28 @@ def _bring_in(
             is_written = (tl.zeros(new_row.shape, tl.int32) + layer) == write_layer
             row = tl.where(is_written, new_row, row)
         store_units(rows.gpu + layer * rows.gpu_stride, g2, row, to_gpu, UNIT, UNIT_BYTES)
-        if not CACHE:  # a buffer's misses always get a slot (max_selection <= slots)
+        if WRITE:
             store_units(rows.cpu + layer * rows.cpu_stride, c2, row, to_cpu, UNIT, UNIT_BYTES)
 
 
 @triton.jit
-def _commit(t, homes, CACHE: tl.constexpr):
+def _commit(t, homes, CACHE: tl.constexpr, WRITE: tl.constexpr):
     """Phase ``commit`` (mapping): misses live where their rows are; each miss from the CPU leaves
-    its row, now its copy, where the plan put it in the free list (``push``)."""
+    its row, now its copy, where the plan put it in the free list (``push``), and so does a write's
+    new entry its copy's row (a write's misses never come from the CPU)."""
     G = homes.gpu_slots
     tl.store(homes.mapping + t.address, tl.where(t.has_slot, t.v, G + t.cpu_row), mask=t.live)
     tl.store(homes.owner + t.v, t.address.to(tl.int32), mask=t.has_slot)
     if not CACHE:
-        pushes = t.live & (t.src >= G)
-        tl.store(homes.cpu_free + t.push, t.src - G, mask=pushes)
-        tl.store(homes.cpu_pos + t.src - G, t.push, mask=pushes)
-        tl.store(homes.copy_slot + t.src - G, t.v, mask=pushes & t.has_slot)
-        tl.store(homes.copy_row + t.v, tl.where(pushes, t.src - G, -1), mask=t.has_slot)
+        # the row that rejoins the list holding its entry's bytes (the plan placed it: ``push``)
+        joins = t.live & (t.push >= 0)
+        row = t.src - G
+        if WRITE:
+            row = t.copy
+        tl.store(homes.cpu_free + t.push, row, mask=joins)
+        tl.store(homes.cpu_pos + row, t.push, mask=joins)
+        tl.store(homes.copy_slot + row, t.v, mask=joins & t.has_slot)
+        tl.store(homes.copy_row + t.v, tl.where(joins, row, -1), mask=t.has_slot)
 
 
 @triton.jit
@@ -452,6 +466,7 @@ def apply_kernel(
     elif pid < element_programs + homed_programs:
         if WRITE & (status == 0) & run_in:  # a write's rows of entries homed before it, where they live
             tile = (pid - element_programs).to(tl.int64)
+            layer_bytes = group_row_bytes // L
             while tile < (T + ROWS - 1) // ROWS:
                 _write_homed(
                     tile * ROWS,
@@ -467,6 +482,8 @@ def apply_kernel(
                     gpu_layer_stride,
                     cpu_layer_stride,
                     n_vec,
+                    stats_ptr,
+                    layer_bytes,
                     VECS,
                     UNIT,
                     UNIT_BYTES,
@@ -490,7 +507,7 @@ def apply_kernel(
         tile = worker.to(tl.int64)
         while tile < miss_tiles:
             j = tile * ROWS + tl.arange(0, ROWS)
-            t = _miss_tile(j, j < M, k_free, moves_ptr, cap, sel_ptr, home_ptr)
+            t = _miss_tile(j, j < M, k_free, moves_ptr, cap, sel_ptr, home_ptr, WRITE)
             # Data, mapping, data, mapping (a buffer drops its victims: no out phase).
             if run_out and not CACHE:
                 _out(t, rows, owner_ptr, VECS, UNIT, UNIT_BYTES)
@@ -517,7 +534,7 @@ def apply_kernel(
                 )
             tl.debug_barrier()  # the misses' rows in before their mapping moves
             if run_commit:
-                _commit(t, homes, CACHE)
+                _commit(t, homes, CACHE, WRITE)
                 if POLICY == K.PBLRU:
                     bitmaps = Buckets(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R)
                     _commit_buckets(t, bitmaps, rnd, rnd_bucket)
@@ -642,6 +659,8 @@ def _write_homed(
     gpu_layer_stride,
     cpu_layer_stride,
     n_vec,
+    stats_ptr,
+    layer_bytes,
     VECS: tl.constexpr,
     UNIT: tl.constexpr,
     UNIT_BYTES: tl.constexpr,
@@ -649,7 +668,10 @@ def _write_homed(
 ):
     """A write's rows for the elements ``e0 .. e0 + ROWS`` whose entries were homed before the call,
     stored where they live (padding rows go to the dummy GPU slot ``G``, so the store needs no branch).
-    An entry rewritten on the GPU no longer matches a CPU copy it had."""
+    An entry on the GPU whose copy no pop of the call takes (``F_THROUGH``, the classify's) writes
+    through to the copy, which stays intact; any other copy it had no longer matches and ends.
+    Rows written through count a layer's row out each: one atomic a tile that has any (a count
+    carried over the program's tiles spilled 16 B in exact LRU's write variant, sm_90)."""
     g_row = gpu_ptr + write_layer * gpu_layer_stride
     c_row = cpu_ptr + write_layer * cpu_layer_stride
     e = e0 + tl.arange(0, ROWS)
@@ -664,9 +686,16 @@ def _write_homed(
     row = load_units(rows_ptr, e2, em[:, None, None] & vm, UNIT, UNIT_BYTES)
     h2, _ = unit_offsets(h.to(tl.int64), n_vec, VECS, UNIT)
     store_units(g_row, h2, row, to_gpu[:, None, None] & vm, UNIT, UNIT_BYTES)
-    tl.store(copy_row_ptr + h, tl.full((ROWS,), -1, tl.int32), mask=em & ((f & K.F_GPU) != 0))
+    on_gpu = em & ((f & K.F_GPU) != 0)
+    through = on_gpu & ((f & K.F_THROUGH) != 0)
+    copy = tl.load(copy_row_ptr + h, mask=through, other=0)
+    tl.store(copy_row_ptr + h, tl.full((ROWS,), -1, tl.int32), mask=on_gpu & ~through)
+    # A CPU home or a copy: one store (an element is one or the other, or neither)
+    h = tl.where(through, G + copy, h)
     hc2, _ = unit_offsets((h - G).to(tl.int64), n_vec, VECS, UNIT)
-    store_units(c_row, hc2, row, to_cpu[:, None, None] & vm, UNIT, UNIT_BYTES)
+    store_units(c_row, hc2, row, (to_cpu | through)[:, None, None] & vm, UNIT, UNIT_BYTES)
+    n = tl.sum(through.to(tl.int64), axis=0)
+    tl.atomic_add(stats_ptr + K.S_BYTES_OUT, n * layer_bytes, mask=n > 0, sem="relaxed")
 
 
 def apply_grid(st, T: int, write: bool, tiling: Tiling) -> tuple[tuple[int], int]:
@@ -816,7 +845,7 @@ def apply_reference(
         takes the copy's place."""
         m_off = int(scratch.chunk_off[c, int(K.O_MISS)])
         for j in range(m_off, m_off + int(scratch.counts[c, int(K.C_NEED)])):
-            p, v, row, dest, push, flags = (moves[w][j] for w in range(K.MOVE_WORDS))
+            p, v, row, dest, push, flags, copy = (moves[w][j] for w in range(K.MOVE_WORDS))
             clean, refill = bool(flags & int(K.MF_CLEAN)), bool(flags & int(K.MF_REFILL))
             yield (
                 j,
@@ -829,6 +858,7 @@ def apply_reference(
                 push,
                 clean,
                 refill,
+                maybe(copy),
             )
 
     def slot_of(pos: int) -> int:
@@ -845,11 +875,11 @@ def apply_reference(
     for c in chunks:
         chunk = range(c * C, min(T, (c + 1) * C))
         if runs(K.PH_OUT) and not st.CACHE:
-            for j, _, _, _, v, row, _, _, clean, _ in misses(c):
+            for j, _, _, _, v, row, _, _, clean, _, _ in misses(c):
                 if v is not None and j >= k_free and int(st.owner[g, v]) >= 0 and not clean:
                     cpu[:, row] = gpu[:, v]
         if runs(K.PH_EVICT):
-            for j, _, _, _, v, row, dest, _, clean, refill in misses(c):
+            for j, _, _, _, v, row, dest, _, clean, refill, _ in misses(c):
                 evicting = v is not None and j >= k_free
                 old = int(st.owner[g, v]) if evicting else -1
                 if st.CACHE:
@@ -874,7 +904,7 @@ def apply_reference(
                 if st.policy == K.EXACT_LRU:
                     scratch.slot_of[pos] = slot_of(pos)
         if runs(K.PH_IN):
-            for j, p, _, src, v, row_popped, _, _, _, _ in misses(c):
+            for j, p, _, src, v, row_popped, _, _, _, _, copy in misses(c):
                 for layer in range(in_layers.start - layers.start, in_layers.stop - layers.start):
                     if st.CACHE:
                         row = (
@@ -890,6 +920,8 @@ def apply_reference(
                         row = new_rows[p].clone()
                     if v is not None:
                         gpu[layer, v] = row
+                        if copy is not None:
+                            cpu[layer, copy] = row
                     else:
                         cpu[layer, row_popped] = row
             if write:
@@ -899,23 +931,29 @@ def apply_reference(
                         gpu[local, G] = new_rows[pos]
                     elif flags & int(K.F_GPU):
                         gpu[local, home] = new_rows[pos]
-                        st.copy_row[g, home] = -1
+                        if flags & int(K.F_THROUGH):
+                            cpu[local, int(st.copy_row[g, home])] = new_rows[pos]
+                            stats[int(K.S_BYTES_OUT)] += group_row_bytes // len(layers)
+                        else:
+                            st.copy_row[g, home] = -1
                     elif flags & int(K.F_CPU):
                         cpu[local, home - G] = new_rows[pos]
         if runs(K.PH_COMMIT):
             bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
             rnd = int(st.gctl[g, int(K.G_ROUND)])
-            for j, _, a, src, v, row, _, push, _, _ in misses(c):
-                if src >= G and not st.CACHE:  # its row, now a copy, where the plan put it
-                    st.cpu_free[g, push] = src - G
-                    st.cpu_pos[g, src - G] = push
+            for j, _, a, src, v, row, _, push, _, _, copy in misses(c):
+                # its row, now a copy, where the plan put it; or a write's copy row
+                kept = src - G if src >= G and not st.CACHE else (copy if v is not None else None)
+                if kept is not None:
+                    st.cpu_free[g, push] = kept
+                    st.cpu_pos[g, kept] = push
                     if v is not None:
-                        st.copy_slot[g, src - G] = v
+                        st.copy_slot[g, kept] = v
                 st.mapping[g, a] = v if v is not None else G + row
                 if v is not None:
                     st.owner[g, v] = a
                     if not st.CACHE:
-                        st.copy_row[g, v] = src - G if src >= G else -1
+                        st.copy_row[g, v] = kept if kept is not None else -1
                     if bitmaps is not None:
                         if j >= k_free:  # taken from a bucket (not a free slot)
                             bitmaps.clear(v, ref=rnd + 1)

@@ -41,7 +41,9 @@ E_ROUND_BUCKET = tl.constexpr(17)  # PB-LRU: the bucket of the group's current r
 E_MISSES = tl.constexpr(18)  # misses the plan moves (the chunks' summed): apply's workers stride over them
 E_QUEUE_AT = tl.constexpr(19)  # exact LRU: the ring index of the call's first append (decide's offsets)
 E_REFUSALS = tl.constexpr(20)  # calls refused so far (mod 2**32): the count each report carries
-CTL_WORDS = 21
+E_COPIES = tl.constexpr(21)  # a write: its new entries given a clean copy in a plain free CPU row
+E_WRITE_COPIES = tl.constexpr(22)  # 1: writes make copies and write through (``Tiered.write_copies``)
+CTL_WORDS = 23
 CTL_BLOCK = tl.constexpr(32)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.
@@ -52,6 +54,11 @@ G_ROUND_TAIL = tl.constexpr(3)  # tail when the current round began: entries pas
 G_GPU_FREE = tl.constexpr(4)  # entries on the GPU free-slot stack
 G_CPU_FREE = tl.constexpr(5)  # rows on the CPU free list
 G_CPU_BOT = tl.constexpr(6)  # index of the free list's bottom row in its ring (``cpu_free``)
+# Rows on top of the free list known to hold no copy (released homes, never-used rows): a write takes
+# its new entries' copies from these alone, so it never trades an older entry's copy for a new one.
+# Kept exactly by pops (minus), releases (plus) and a write's copies (minus); rows a call pushes go
+# to the bottom and never join this run.
+G_CPU_PLAIN = tl.constexpr(7)
 GCTL_WORDS = 8
 
 # stats: cumulative counters.
@@ -125,6 +132,9 @@ F_CPU = tl.constexpr(4)  # home on the CPU at lookup time
 F_MOVED = tl.constexpr(8)  # final home comes from this call's plan (a miss, or a new entry)
 F_PAD = tl.constexpr(16)
 F_BAD = tl.constexpr(32)
+# A write's entry homed on the GPU whose copy is intact and deeper than the call pops: the written
+# layer goes to the copy too (write-through), so the copy stays intact.
+F_THROUGH = tl.constexpr(64)
 
 # Per-chunk counters written by the lookup (distinct addresses are counted once, by the claim).
 C_HITS = tl.constexpr(0)
@@ -150,9 +160,13 @@ MV_POS = tl.constexpr(0)  # its position in the selection
 MV_SLOT = tl.constexpr(1)  # the GPU slot it receives (-1: none)
 MV_ROW = tl.constexpr(2)  # the CPU row it pops (-1: none)
 MV_DEST = tl.constexpr(3)  # the CPU row that becomes a home at evict: its victim's, or its own (-1: none)
-MV_PUSH = tl.constexpr(4)  # where its own CPU row joins the free list at commit (-1: not from the CPU)
+MV_PUSH = tl.constexpr(4)  # where its own CPU row (or its copy's) joins the free list at commit (-1: none)
 MV_FLAGS = tl.constexpr(5)  # MF_* bits
-MOVE_WORDS = 6
+# The CPU row a write's miss's rows go to at ``in`` (-1: none): a new entry with a GPU slot, the plain
+# free row that receives its copy (MV_PUSH is then where that row rejoins the free list: a write has
+# no miss from the CPU); one without a slot, its home (MV_ROW).
+MV_COPY = tl.constexpr(6)
+MOVE_WORDS = 7
 MF_CLEAN = tl.constexpr(1)  # its victim's bytes stay where they are: no copy out
 MF_REFILL = tl.constexpr(2)  # the row it popped, unused, takes its victim's copy's place in the free list
 

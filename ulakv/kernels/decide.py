@@ -17,7 +17,11 @@ order) and writes one column of ``moves`` (``K.MV_*`` words):
   clean victim's copy's place when the plan fills, else the list's bottom, in miss order), ``-1``:
   not from the CPU;
 - ``MV_FLAGS``: ``MF_CLEAN`` (its victim's bytes stay: no copy out) and ``MF_REFILL`` (the row it
-  popped, unused, takes its victim's copy's place in the free list).
+  popped, unused, takes its victim's copy's place in the free list);
+- ``MV_COPY``: the CPU row a write's miss's rows go to at ``in``, every layer: for a new entry with
+  a slot among the first ``E_COPIES``, the plain free row right below the call's pops
+  (``popped[pops + j]``) that receives its copy (``MV_PUSH`` is then where that row rejoins the free
+  list, the bottom, in miss order); for one without a slot, its home (``MV_ROW``); ``-1``: none.
 
 Apply (``ulakv.kernels.apply``) only carries these out, in every launch of the plan, and
 ``TransferPlan.describe`` reads them back: what the plan shows is what the run does.
@@ -103,6 +107,7 @@ def decide_kernel(
         fill = control_word(ctl, K.E_FILL)
         pops = control_word(ctl, K.E_POPS)
         push_base = control_word(ctl, K.E_PUSH_BASE)
+        copies = control_word(ctl, K.E_COPIES)
         # The chunk's offsets: the counts of the chunks before it, from the rows of the blocks
         # before its block (BLOCK_ROWS a step: one step up to 16 M elements) and the counts before
         # it in its block (fewer than COUNT_BLOCK).
@@ -142,6 +147,7 @@ def decide_kernel(
             push = tl.full((TILE,), -1, tl.int32)
             clean = fills
             refill = tl.zeros((TILE,), tl.int1)
+            copy_to = tl.full((TILE,), -1, tl.int32)
             if not CACHE:  # a buffer drops its victims: no CPU rows, no copies
                 takes_row = popping & ~fills
                 at = pop_index_jit(j, k_free, before, fill)
@@ -163,6 +169,13 @@ def decide_kernel(
                 bottom = K.wrap(bottom + tl.load(cpu_rank_ptr + p, mask=pushes, other=0), C)  # < 2C
                 filled = tl.load(cpu_pos_ptr + copy, mask=pushes & fills, other=0)
                 push = tl.where(pushes, tl.where(fills, filled, bottom), -1).to(tl.int32)
+                # A write's first ``copies`` misses (each has a slot) get a copy in the plain row
+                # below the call's pops, and that row rejoins the list at the bottom, in miss order.
+                copied = live & (j < copies)
+                copy_to = tl.load(popped_ptr + pops + j, mask=copied, other=-1)
+                push = tl.where(copied, K.wrap(push_base + j, C), push).to(tl.int32)
+                # (a written entry with no slot gets its rows in the row it popped, its home)
+                copy_to = tl.where(live & ~has_slot, cpu_row, copy_to)
             flags = clean.to(tl.int32) * K.MF_CLEAN + refill.to(tl.int32) * K.MF_REFILL
             out = moves_ptr + j
             tl.store(out + K.MV_POS * cap, p, mask=live)
@@ -171,6 +184,7 @@ def decide_kernel(
             tl.store(out + K.MV_DEST * cap, dest, mask=live)
             tl.store(out + K.MV_PUSH * cap, push, mask=live)
             tl.store(out + K.MV_FLAGS * cap, flags, mask=live)
+            tl.store(out + K.MV_COPY * cap, copy_to, mask=live)
 
 
 def decide(st, g: int, scratch, T: int) -> int:
@@ -243,6 +257,7 @@ def decide_reference(st, g: int, scratch, T: int) -> None:
     fills = counted_clean & bool(fill)
     none = torch.full_like(j, -1)
     cpu_row, dest, push, clean, refill = none, none, none, fills, torch.zeros_like(fills)
+    copy_to = none
     if not st.CACHE:
         takes_row = popping & ~fills
         popped = scratch.popped.cpu().to(torch.int64)
@@ -262,6 +277,10 @@ def decide_reference(st, g: int, scratch, T: int) -> None:
         bottom = (ctl[int(K.E_PUSH_BASE)] - before * fill + offsets[chunk, int(K.O_PUSH)] + rank) % C
         filled = st.cpu_pos[g].cpu().to(torch.int64)[copy.clamp(min=0)]
         push = torch.where(pushes, torch.where(fills, filled, bottom), -1)
+        copied = j < ctl[int(K.E_COPIES)]
+        copy_to = torch.where(copied, popped[(pops + j).clamp(max=popped.numel() - 1)], -1)
+        copy_to = torch.where(has_slot, copy_to, cpu_row)
+        push = torch.where(copied, (ctl[int(K.E_PUSH_BASE)] + j) % C, push)
     flags = clean.to(torch.int64) * int(K.MF_CLEAN) + refill.to(torch.int64) * int(K.MF_REFILL)
-    words = torch.stack([pos, slot, cpu_row, dest, push, flags]).to(torch.int32)
+    words = torch.stack([pos, slot, cpu_row, dest, push, flags, copy_to]).to(torch.int32)
     scratch.moves[:, : j.numel()] = words.to(scratch.moves.device)

@@ -64,6 +64,8 @@ from .victims import (
     ring_live_reference,
     victims_program,
     victims_reference,
+    writes_through,
+    writes_through_reference,
 )
 
 
@@ -243,6 +245,21 @@ def classify_kernel(
             rnd = tl.load(gctl_ptr + K.G_ROUND)
             cur = rnd if WRITE else rnd + 1
             buckets.touch(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R, cur, rnd + 1, home, hit)
+    # The free stacks as the call began, and the most CPU rows it can pop (a row per miss past the
+    # free slots): a copy below them is safe from every pop of the call.
+    n_free = tl.load(gctl_ptr + K.G_GPU_FREE)
+    n_cpu = tl.load(gctl_ptr + K.G_CPU_FREE)
+    top = tl.load(gctl_ptr + K.G_CPU_BOT) + n_cpu - 1  # the CPU free list's top, as a ring index
+    n_need = tl.load(ctl_ptr + K.E_NEED)
+    pops = n_need - tl.minimum(n_need, n_free)
+    through = first & (pos < 0)
+    if WRITE:
+        if not CACHE:  # a rewrite on the GPU goes to its entry's copy too, where no pop takes it
+            if tl.load(ctl_ptr + K.E_WRITE_COPIES) != 0:
+                rewritten = first & on_gpu
+                through = writes_through(
+                    home, rewritten, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, pops
+                )
     flags = (
         first.to(tl.int8) * K.F_FIRST
         + on_gpu.to(tl.int8) * K.F_GPU
@@ -250,6 +267,7 @@ def classify_kernel(
         + moved.to(tl.int8) * K.F_MOVED
         + pad.to(tl.int8) * K.F_PAD
         + (inb & ~pad & ~ok).to(tl.int8) * K.F_BAD
+        + through.to(tl.int8) * K.F_THROUGH
     )
     tl.store(home_ptr + pos, home, mask=inb)
     tl.store(flags_ptr + pos, flags, mask=inb)
@@ -282,19 +300,18 @@ def classify_kernel(
     # the selection instead of a loop over every pop in the planning program. Apply reads the pops
     # here while commit pushes freed CPU rows over the same stack positions.
     j = pos
-    n_free = tl.load(gctl_ptr + K.G_GPU_FREE)
     gm = inb & (j < n_free)
     tl.store(victims_ptr + j, tl.load(gpu_free_ptr + (n_free - 1 - j), mask=gm, other=0), mask=gm)
-    n_cpu = tl.load(gctl_ptr + K.G_CPU_FREE)
-    top = tl.load(gctl_ptr + K.G_CPU_BOT) + n_cpu - 1  # the CPU free list's top, as a ring index
     if not CACHE:  # a buffer drops its victims: no CPU rows
         cm = inb & (j < n_cpu)
         # (top - j lies in [bottom, top] for the rows copied: one lap of the ring at most)
         tl.store(popped_ptr + j, tl.load(cpu_free_ptr + K.wrap(top - j, C), mask=cm, other=0), mask=cm)
-    # The most CPU rows this call can pop (a row per miss past the free slots): a candidate's copy
-    # below them is safe from every pop, so its eviction is clean whatever apply pops.
-    n_need = tl.load(ctl_ptr + K.E_NEED)
-    pops = n_need - tl.minimum(n_need, n_free)
+        if WRITE:  # a write's copies come from the T rows below its pops (at most T): 2T in all
+            cm = inb & (T + j < n_cpu)
+            row = tl.load(cpu_free_ptr + K.wrap(top - T - j, C), mask=cm, other=0)
+            tl.store(popped_ptr + T + j, row, mask=cm)
+    # A candidate's copy below the call's pops (above) is safe from every pop, so its eviction is
+    # clean whatever apply pops.
 
     if POLICY == K.EXACT_LRU:
         # -- candidates: this program's segment of the LRU ring ---------------------------------
@@ -564,8 +581,11 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
             on_cpu = ok and home >= G
             moved = ok and (home == int(K.M_UNHOMED) if write else not on_gpu)
             need = first and moved
+            through = write and not st.CACHE and first and on_gpu and int(ctl[int(K.E_WRITE_COPIES)]) != 0
+            through = through and writes_through_reference(st, g, home)
             flags = (
-                int(first) * int(K.F_FIRST)
+                int(through) * int(K.F_THROUGH)
+                + int(first) * int(K.F_FIRST)
                 + int(on_gpu) * int(K.F_GPU)
                 + int(on_cpu) * int(K.F_CPU)
                 + int(moved) * int(K.F_MOVED)
@@ -597,7 +617,7 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
     k = min(T, n_free)
     scratch.victims[:k] = st.gpu_free[g, :n_free].flip(0)[:k]
     if not st.CACHE:
-        free_rows = st.free_cpu_rows(g).flip(0)[: min(T, n_cpu)]  # top first
+        free_rows = st.free_cpu_rows(g).flip(0)[: min((2 if write else 1) * T, n_cpu)]  # top first
         scratch.popped[: free_rows.numel()] = free_rows.to(scratch.popped.device)
     pops = need_pops(st, g)
 

@@ -2,7 +2,8 @@
 
 A program per group walks the addresses in blocks; freed GPU slots get a new version (their LRU pairs
 turn stale) and go on the group's GPU free stack (a CPU copy of their entry is forgotten), freed CPU
-rows on top of its CPU free list (handed out before rows that hold copies), in address order, so the
+rows on top of its CPU free list (handed out before rows that hold copies, and counted among its plain
+rows, ``G_CPU_PLAIN``), in address order, so the
 result is deterministic. Groups share no state, so they run side by side: a request leaves between two
 decode steps, on the same stream, and its release delays the next step by the busiest program. With
 one program for every group, releasing a 131,072-token request in a pool of 61 one-layer groups (DSA's
@@ -59,8 +60,9 @@ def release_kernel(
     g = tl.program_id(0).to(tl.int64)
     row = gctl_ptr + g * K.GCTL_WORDS
     gpu_top = tl.load(row + K.G_GPU_FREE)
-    cpu_top = tl.load(row + K.G_CPU_BOT) + tl.load(row + K.G_CPU_FREE)  # past the free list's top
-    cpu_count = tl.load(row + K.G_CPU_FREE)
+    cpu_free = tl.load(row + K.G_CPU_FREE)
+    cpu_top = tl.load(row + K.G_CPU_BOT) + cpu_free  # past the free list's top
+    cpu_count = cpu_free
     ref = tl.load(row + K.G_ROUND) + 1 if POLICY == K.PBLRU else 0  # PB-LRU's round: fixed for the call
     for i0 in range(0, n, BLOCK):
         a = tl.load(addr_ptr + i0 + ar, mask=i0 + ar < n, other=-1).to(tl.int64)
@@ -87,6 +89,8 @@ def release_kernel(
         cpu_top += tl.sum(on_cpu.to(tl.int64), axis=0)
         cpu_count += tl.sum(on_cpu.to(tl.int64), axis=0)
     tl.store(row + K.G_GPU_FREE, gpu_top)
+    # the released rows went on top: plain rows (a home never holds a copy)
+    tl.store(row + K.G_CPU_PLAIN, tl.load(row + K.G_CPU_PLAIN) + cpu_count - cpu_free)
     tl.store(row + K.G_CPU_FREE, cpu_count)
 
 
@@ -157,6 +161,7 @@ def release_reference(addrs, state, checked: bool = False) -> None:
                 cpu_count += 1
             state.mapping[g, a] = -1
         state.gctl[g, int(K.G_GPU_FREE)] = gpu_top
+        state.gctl[g, int(K.G_CPU_PLAIN)] += cpu_count - int(state.gctl[g, int(K.G_CPU_FREE)])
         state.gctl[g, int(K.G_CPU_FREE)] = cpu_count
         if bitmaps is not None:
             bitmaps.store()

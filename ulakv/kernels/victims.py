@@ -40,7 +40,10 @@ segments.
    row (the others pop the top rows in order, victim ``i`` the ``i - clean_before(i)``-th) and the
    row each clean victim's miss leaves takes its copy's place in the free list. Otherwise every
    miss past the free GPU slots pops a row (for its victim, or for itself in a write that found no
-   slot). Either way a victim never lands in a row someone still lives in.
+   slot). Either way a victim never lands in a row someone still lives in. A write then gives its
+   first new entries with a GPU slot a copy each (``E_COPIES``) in the plain rows right below its
+   pops (``G_CPU_PLAIN``: the run on top of the free list that holds no copy), rows that go to the
+   bottom of the list, so a victim counted clean still finds its copy intact.
 4. Exact LRU, a compacting call: running totals of the ring blocks' live pairs, and the compacted
    ring's tail and round tail (apply's workers copy the pairs into place).
 5. Where the call's LRU appends start (``E_QUEUE_AT``). Each chunk's offsets (where its misses
@@ -218,6 +221,29 @@ def _clean_candidates(s, listed, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, copy_
     depth = K.wrap(top - tl.load(cpu_pos_ptr + copy, mask=has, other=0), C)
     tl.store(copy_depth_ptr + s, depth.to(tl.int32), mask=has)
     return intact & (depth >= pops)
+
+
+@triton.jit
+def writes_through(slot, mask, copy_row_ptr, copy_slot_ptr, cpu_pos_ptr, top, C, pops):
+    """Which entries of a write homed in GPU slots ``slot`` (``mask``) have an intact copy ``pops``
+    rows or more below the free list's top as the call began, so no pop of the call takes it: their
+    written layer goes to the copy too and the copy stays intact (a shallower copy is popped by
+    the call, to become a home: it ends)."""
+    copy = tl.load(copy_row_ptr + slot, mask=mask, other=-1)
+    has = mask & (copy >= 0)
+    intact = has & (tl.load(copy_slot_ptr + copy, mask=has, other=-1) == slot)
+    # (top is one below the bottom at the least, a lap past it at the most: -C <= top - pos < 2C)
+    depth = K.wrap(top - tl.load(cpu_pos_ptr + copy, mask=intact, other=0), C)
+    return intact & (depth >= pops)
+
+
+def writes_through_reference(st, g: int, slot: int) -> bool:
+    """Plain-Python twin of ``writes_through`` for one slot (the pool's state as the call began)."""
+    copy = int(st.copy_row[g, slot])
+    if copy < 0 or int(st.copy_slot[g, copy]) != slot:
+        return False
+    top = int(st.gctl[g, int(K.G_CPU_BOT)]) + int(st.gctl[g, int(K.G_CPU_FREE)]) - 1
+    return (top - int(st.cpu_pos[g, copy])) % st.cpu_stack_size >= need_pops(st, g)
 
 
 def clean_candidates_reference(st, g: int, slots: list[int], pops: int, scratch=None) -> list[bool]:
@@ -600,14 +626,24 @@ def victims_program(
         pushes = push_run - n_clean
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
-        bottom = K.wrap(control_word(gctl, K.G_CPU_BOT) - pushes, C)  # pushes <= C: rows that exist
+        # A write gives its first new entries with a GPU slot a copy each, in the plain rows right
+        # below its pops (never a row that holds a copy, nor one the call pops), and puts those rows
+        # at the bottom: the free count is unchanged, the plain run shrinks by the pops and copies.
+        plain = tl.maximum(control_word(gctl, K.G_CPU_PLAIN) - pops, 0)
+        copies = tl.zeros((), dtype=tl.int64)
+        if WRITE:
+            if not CACHE:
+                copies = tl.where(control_word(ctl, K.E_WRITE_COPIES) != 0, tl.minimum(V, plain), 0)
+        plain -= copies
+        # (pushes + copies <= C: rows that exist; a call pushes, or a write copies, never both)
+        bottom = K.wrap(control_word(gctl, K.G_CPU_BOT) - pushes - copies, C)
         n_cpu = control_word(gctl, K.G_CPU_FREE) - pops + pushes
 
         # The group's words G_HEAD .. G_CPU_BOT, and the plan's words apply reads, one store each.
         g_new = tl.where(gw == K.G_HEAD, head, tl.where(gw == K.G_TAIL, q_run, round_tail))
         g_new = tl.where(gw == K.G_GPU_FREE, n_free, tl.where(gw == K.G_CPU_FREE, n_cpu, g_new))
-        g_new = tl.where(gw == K.G_CPU_BOT, bottom, g_new)
-        tl.store(gctl_ptr + gw, g_new, mask=(gw >= K.G_HEAD) & (gw <= K.G_CPU_BOT))
+        g_new = tl.where(gw == K.G_CPU_BOT, bottom, tl.where(gw == K.G_CPU_PLAIN, plain, g_new))
+        tl.store(gctl_ptr + gw, g_new, mask=(gw >= K.G_HEAD) & (gw <= K.G_CPU_PLAIN))
         plan = tl.where(cw == K.E_KFREE, k_free, tl.where(cw == K.E_VICTIMS, V, bottom))
         plan = tl.where(cw == K.E_SEG_BLOCKS, cand_blocks, tl.where(cw == K.E_FILL, fill, plan))
         plan = tl.where(cw == K.E_POPS, pops, plan)
@@ -618,7 +654,8 @@ def victims_program(
             round_bucket = rnd % R
         plan = tl.where(cw == K.E_ROUND_BUCKET, round_bucket, plan)
         plan = tl.where(cw == K.E_MISSES, M, tl.where(cw == K.E_QUEUE_AT, queue_at, plan))
-        planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE)
+        plan = tl.where(cw == K.E_COPIES, copies, plan)
+        planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE) | (cw == K.E_COPIES)
         planned = planned | (cw == K.E_SEG_BLOCKS) | (cw == K.E_FILL) | (cw == K.E_POPS)
         planned = planned | (cw == K.E_RING_BLOCKS) | (cw == K.E_RING_AT) | (cw == K.E_RING_DROPPED)
         planned = planned | (cw == K.E_ROUND_BUCKET) | (cw == K.E_MISSES) | (cw == K.E_QUEUE_AT)
@@ -631,7 +668,9 @@ def victims_program(
         delta = tl.where(sw == K.S_ROUND_READS, round_reads, delta)
         if WRITE:
             cpu_rows = CF + (M - V)  # written in place on the CPU, or new entries homed there
-            delta = tl.where(sw == K.S_BYTES_OUT, cpu_rows * layer_row_bytes, delta)
+            # ... and the copies, every layer of the group (the written row, zeros for the others)
+            written = cpu_rows * layer_row_bytes + copies * group_row_bytes
+            delta = tl.where(sw == K.S_BYTES_OUT, written, delta)
         else:
             fetched = MC  # a tier swaps in its CPU-resident misses
             if CACHE:  # a buffer fetches every miss and drops its victims
@@ -770,13 +809,18 @@ def victims_reference(
         n_clean = sum(clean) if fill else 0
         pops = 0 if st.CACHE else M - k_free - n_clean  # copied to scratch.popped by the classify
         pushes = push_run - n_clean
-        bottom = (int(gctl[int(K.G_CPU_BOT)]) - pushes) % st.cpu_stack_size
+        plain = max(int(gctl[int(K.G_CPU_PLAIN)]) - pops, 0)
+        copies = min(V, plain) if write and not st.CACHE and int(ctl[int(K.E_WRITE_COPIES)]) else 0
+        plain -= copies
+        bottom = (int(gctl[int(K.G_CPU_BOT)]) - pushes - copies) % st.cpu_stack_size
         gctl[int(K.G_HEAD)] = head
         gctl[int(K.G_TAIL)] = q_run
         gctl[int(K.G_ROUND_TAIL)] = round_tail
         gctl[int(K.G_GPU_FREE)] = n_free
         gctl[int(K.G_CPU_FREE)] += pushes - pops
         gctl[int(K.G_CPU_BOT)] = bottom
+        gctl[int(K.G_CPU_PLAIN)] = plain
+        ctl[int(K.E_COPIES)] = copies
         ctl[int(K.E_FILL)] = int(fill)
         ctl[int(K.E_POPS)] = pops
         ctl[int(K.E_KFREE)] = k_free
@@ -799,7 +843,7 @@ def victims_reference(
         ctl[int(K.E_PUSH_BASE)] = bottom
         evicted = V - k_free
         if write:
-            stats[int(K.S_BYTES_OUT)] += (CF + M - V) * layer_row_bytes
+            stats[int(K.S_BYTES_OUT)] += (CF + M - V) * layer_row_bytes + copies * group_row_bytes
         else:
             stats[int(K.S_HITS)] += H
             stats[int(K.S_MISSES)] += M

@@ -75,8 +75,9 @@ class TieredState(_Tensors):
     gpu_free: torch.Tensor  # int32 [groups, G]: stack of free GPU slots
     # Free CPU rows (C includes staging): a deque in a ring, ``gctl[G_CPU_BOT]`` its bottom index,
     # ``gctl[G_CPU_FREE]`` its length. Pops take the top; rows freed by a release go on top; the row
-    # a swap-in leaves, which still holds the entry's bytes (a *copy*), goes to the bottom, so
-    # plain free rows are handed out first and copies survive longest.
+    # a swap-in leaves, which still holds the entry's bytes (a *copy*), goes to the bottom, and so
+    # does the plain row a write fills with a new entry's copy (``gctl[G_CPU_PLAIN]``: plain rows on
+    # top), so plain free rows are handed out first and copies survive longest.
     cpu_free: torch.Tensor  # int32 [groups, max(C, 1)]
     cpu_pos: torch.Tensor  # int32 [groups, max(C, 1)]: index of each free row in cpu_free
     copy_slot: torch.Tensor  # int32 [groups, max(C, 1)]: GPU slot whose entry a free row copies, -1
@@ -168,6 +169,7 @@ class TieredState(_Tensors):
         )
         state.ctl[int(K.E_EPOCH)] = 1
         state.ctl[int(K.E_MAX_SELECTION)] = layout.max_selection
+        state.ctl[int(K.E_WRITE_COPIES)] = int(layout.write_copies)
         state.mapping.fill_(-1)
         state.reset_residency()
         return state
@@ -187,6 +189,7 @@ class TieredState(_Tensors):
         self.gctl.zero_()
         self.gctl[:, int(K.G_GPU_FREE)] = self.gpu_slots
         self.gctl[:, int(K.G_CPU_FREE)] = self.cpu_slots
+        self.gctl[:, int(K.G_CPU_PLAIN)] = self.cpu_slots  # no row holds a copy yet
 
     # The tensors one call writes besides its group's rows: control words, counters, the claim and
     # protection scratch its epoch tags, and the refusal report. A call context has its own.
@@ -198,7 +201,8 @@ class TieredState(_Tensors):
         ``self`` writes but its group's rows, so calls of different groups may run at once."""
         ctl = torch.zeros_like(self.ctl)
         ctl[int(K.E_EPOCH)] = 1
-        ctl[int(K.E_MAX_SELECTION)] = self.ctl[int(K.E_MAX_SELECTION)]
+        for word in (K.E_MAX_SELECTION, K.E_WRITE_COPIES):  # set at build: the pool's, not the call's
+            ctl[int(word)] = self.ctl[int(word)]
         return replace(
             self,
             ctl=ctl,
@@ -329,7 +333,9 @@ class CallScratch(_Tensors):
     )  # int32 [chunks / COUNT_BLOCK, COUNT_WORDS]: the counts, COUNT_BLOCK chunks a row
     chunk_off: torch.Tensor  # int64 [chunks, OFF_WORDS]: miss, queue and CPU-push offsets
     victims: torch.Tensor  # int32 [cap]: the top of the free GPU-slot stack (the first victims)
-    popped: torch.Tensor  # int32 [cap]: the top of the free CPU-row stack (the rows popped)
+    # int32 [2 cap]: the top of the free CPU list (the rows popped; a write also takes its copies'
+    # rows from below its pops: at most one a new entry, so 2T rows)
+    popped: torch.Tensor
     cand: torch.Tensor  # int64 [lists * CHUNK]: eviction candidates (slot, clean, clean before it)
     seg: (
         torch.Tensor
@@ -383,7 +389,7 @@ class CallScratch(_Tensors):
             block_counts=torch.empty((triton.cdiv(chunks, int(K.COUNT_BLOCK)), K.COUNT_WORDS), **i32),
             chunk_off=torch.empty((chunks, K.OFF_WORDS), dtype=torch.int64, device=device),
             victims=torch.empty(capacity, **i32),
-            popped=torch.empty(capacity, **i32),
+            popped=torch.empty(2 * capacity, **i32),
             cand=torch.empty(lists * K.CHUNK, dtype=torch.int64, device=device),
             seg=torch.empty(
                 (blocks * int(segments.SEG_BLOCK), int(segments.SEG_WORDS)), dtype=torch.int64, device=device

@@ -17,6 +17,12 @@ never written) every victim pops a row. A victim that popped a row goes back to 
 same when no pop of the call took it (deeper than the rows the call actually pops, or the very row
 it popped), and the row it popped takes the copy's place.
 
+A write also gives copies (``Tiered.write_copies``): each new entry it puts on the GPU, in miss order,
+takes one while *plain* rows (the run on top of the list that holds no copy: ``plain``) lie below
+the call's pops, and that row goes to the bottom like a swap-in's; an entry on the GPU written again
+writes through to its copy when the copy is intact and no pop of the call takes it, and loses it
+otherwise.
+
 The policies' models say which addresses move; this model says which rows they move to and what
 it costs, row for row what ``ulakv.kernels.apply`` does (``tests/test_traces.py`` holds a replay on
 the models equal to one on a real pool).
@@ -32,8 +38,9 @@ class CPUTierModel:
     top. Addresses name entries; the model follows only those homed on the CPU and the copies of
     those on the GPU."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, write_copies: bool = True) -> None:
         self.rows = rows
+        self.write_copies = write_copies  # ``Tiered.write_copies``
         self.cap = max(rows, 1)
         self.ring = [rows - 1 - i for i in range(rows)] + [0] * (self.cap - rows)
         self.pos = {row: i for i, row in enumerate(self.ring[:rows])}
@@ -41,6 +48,7 @@ class CPUTierModel:
         self.home: dict[int, int] = {}  # address on the CPU -> its row
         self.copy: dict[int, int] = {}  # address on the GPU -> free row still holding its bytes
         self.copy_of: dict[int, int] = {}  # free row -> the address it holds (valid if both agree)
+        self.plain = rows  # rows on top of the free list known to hold no copy (``G_CPU_PLAIN``)
         self.clean_evictions = 0
 
     def on_cpu(self, address: int) -> bool:
@@ -65,6 +73,10 @@ class CPUTierModel:
             rows.append(copy if deep else None)
         return rows
 
+    def copy_of_entry(self, address: int) -> int | None:
+        """The free row holding ``address``'s intact copy, if any."""
+        return self._intact(address)
+
     def _pop(self, n: int) -> list[int]:
         """The top ``n`` rows, off the list (a popped row keeps its copy until it becomes a home)."""
         if n > self.count:
@@ -74,6 +86,7 @@ class CPUTierModel:
         for row in rows:
             del self.pos[row]
         self.count -= n
+        self.plain = max(self.plain - n, 0)
         return rows
 
     def _push(self, rows: list[int]) -> None:
@@ -112,6 +125,31 @@ class CPUTierModel:
         for a, row in zip(to_cpu, popped[len(victims) :], strict=True):
             self._home(a, row)
         return copied
+
+    def write(
+        self, victims: list[int], to_cpu: list[int], placed: list[int], rewritten: list[int]
+    ) -> tuple[int, int, int]:
+        """A write's moves, as ``place`` (``victims`` out, ``to_cpu`` homed on the CPU), and its
+        copies: ``placed`` (new entries given a GPU slot, in miss order) take a copy each, while
+        plain rows lie below the call's pops, in those rows (now at the bottom of the list, the first
+        lowest); ``rewritten`` (entries on the GPU written again) write through to a copy no pop of
+        the call takes, and lose any other. Returns the victims whose bytes were copied, the copies
+        made and the rows written through."""
+        pops = len(victims) + len(to_cpu)
+        deep = self._clean_rows(rewritten, pops) if self.write_copies else [None] * len(rewritten)
+        through = [a for a, row in zip(rewritten, deep, strict=True) if row is not None]
+        kept = set(through)
+        for a in rewritten:
+            if a not in kept:
+                self.copy.pop(a, None)
+        made = min(len(placed), max(self.plain - pops, 0)) if self.write_copies else 0
+        copied = self.place(victims, to_cpu)
+        rows = self._pop(made)
+        self._push(rows)
+        for a, row in zip(placed, rows, strict=False):
+            self.copy_of[row] = a
+            self.copy[a] = row
+        return copied, made, len(through)
 
     def _evict(self, address: int, popped: int | None, copy: int | None) -> int:
         """``address`` leaves the GPU: back to its ``copy`` if given (the row it ``popped``, if any
@@ -171,11 +209,6 @@ class CPUTierModel:
             self.copy_of[row] = a
             self.copy[a] = row
 
-    def rewrite(self, addresses: Iterable[int]) -> None:
-        """Entries on the GPU written again: a copy of them no longer matches."""
-        for a in addresses:
-            self.copy.pop(a, None)
-
     def release(self, addresses: Iterable[int]) -> None:
         """Entries leaving the pool, in order: CPU rows go on top of the free list."""
         for a in addresses:
@@ -186,3 +219,4 @@ class CPUTierModel:
                 self.ring[at] = row
                 self.pos[row] = at
                 self.count += 1
+                self.plain += 1
