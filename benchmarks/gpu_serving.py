@@ -35,7 +35,7 @@ class ServingSizes:
 
 
 FULL = ServingSizes(1 << 20, (64, 256), 10_000, 4096, 50, 61, 1 << 16, 64, 2048)
-SMOKE = ServingSizes(2048, (2,), 6, 64, 1, 2, 256, 2, 16)
+SMOKE = ServingSizes(2048, (2,), 4, 64, 1, 2, 256, 2, 16)
 
 
 class DecodeTrace:

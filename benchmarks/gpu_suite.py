@@ -298,7 +298,9 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
         kernels.admit(n)
         seq_ref = refs.admit(n)  # the same addresses in both (fresh allocators)
         gen = torch.Generator().manual_seed(seed)
-        written = seq_ref.addresses[: 2 * T]  # some entries carry data, the rest read as zeros
+        # Some entries carry data (each with a write copy in a plain CPU row), the rest read as zeros
+        # and get no copy until evicted once: evictions both clean and copying.
+        written = seq_ref.addresses[: min(2 * T, n // 2)]
         for layer in range(2):
             data = torch.randint(0, 256, (written.numel(), ROW), dtype=torch.uint8, generator=gen)
             kernels.write(layer, written.to(device), data.to(device))
