@@ -188,7 +188,7 @@ def census(
     a buffer's mapping, ``buffer_slots`` GPU slots) makes it a fetch-mode prepare's, with
     ``fetch_width``. No host sync."""
     T = flat.numel()
-    census_kernel[(max(1, triton.cdiv(T, K.CHUNK)),)](
+    census_kernel[(max(1, K.cdiv(T, K.CHUNK)),)](
         sel_ptr=flat,
         T=T,
         N=live.numel(),

@@ -191,7 +191,7 @@ def plan_fetch(
     padding and a refused call), ``words`` (int64 ``[X_WORDS]``: misses homed here and elsewhere;
     the ticket is left zero). ``home_counts``, ``home_before``: int32 ``[chunks, lanes(world)]`` at
     least. Returns launches (2). No host sync."""
-    chunks = triton.cdiv(flat.numel(), K.CHUNK)
+    chunks = K.cdiv(flat.numel(), K.CHUNK)
     common = dict(
         sel_ptr=flat,
         counts_ptr=scratch.counts,
@@ -205,7 +205,7 @@ def plan_fetch(
         CHUNK=K.CHUNK,
     )
     homes_kernel[(chunks,)](home_counts_ptr=home_counts, SCAN_ROWS=scan_rows(lanes(world)), **common)
-    place_kernel[(max(chunks, triton.cdiv(width, K.CHUNK)),)](
+    place_kernel[(max(chunks, K.cdiv(width, K.CHUNK)),)](
         inner_slots_ptr=inner_slots,
         fetch_rows_ptr=fetch_rows,
         send_slots_ptr=send_slots,
@@ -221,7 +221,7 @@ def merge_slots(local: torch.Tensor, buffer_slots: torch.Tensor, out: torch.Tens
     slots): the slice's where ``local`` (int32) says the element is homed here, else the buffer's
     (``buffer_slots``, int32) plus ``offset``, -1 where the buffer gave none. Returns launches (1)."""
     T = out.numel()
-    slots_kernel[(triton.cdiv(T, K.CHUNK),)](
+    slots_kernel[(K.cdiv(T, K.CHUNK),)](
         local_ptr=local, buffer_slots_ptr=buffer_slots, out_ptr=out, T=T, offset=offset, CHUNK=K.CHUNK
     )
     return 1
@@ -232,7 +232,7 @@ def merge_slots(local: torch.Tensor, buffer_slots: torch.Tensor, out: torch.Tens
 
 def miss_order(flat: torch.Tensor, scratch) -> torch.Tensor:
     """The buffer plan's misses' positions (int64), in miss order: chunk by chunk."""
-    chunks = triton.cdiv(flat.numel(), K.CHUNK)
+    chunks = K.cdiv(flat.numel(), K.CHUNK)
     need = scratch.counts[:chunks, int(K.C_NEED)].tolist()
     parts = [scratch.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(need)]
     return torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.int64)
@@ -254,7 +254,7 @@ def plan_fetch_reference(
     send_slots: torch.Tensor,
 ) -> int:
     """Plain-Python twin of :func:`plan_fetch`: miss by miss, a running count per home."""
-    chunks, L = triton.cdiv(flat.numel(), K.CHUNK), lanes(world)
+    chunks, L = K.cdiv(flat.numel(), K.CHUNK), lanes(world)
     need = scratch.counts[:chunks, int(K.C_NEED)].tolist()
     seen = [0] * L
     send_slots.fill_(dummy)

@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from ..kernels import common as K
 from ..kernels import exchange as exchange_mod
-from ..kernels._triton import triton
 from ..kernels.census import lanes
 
 # The one all-gather of equal parts into one flat tensor, for a fetch and for decode context
@@ -59,7 +58,7 @@ class RowExchange:
 
     def _grow(self, elements: int, device: torch.device) -> None:
         cap = K.next_pow2(max(elements, K.CHUNK))
-        per_chunk = triton.cdiv(cap, K.CHUNK) * lanes(self.world)
+        per_chunk = K.cdiv(cap, K.CHUNK) * lanes(self.world)
         self.fetch_rows = torch.empty(cap, dtype=torch.int32, device=device)
         self.buffer_slots = torch.empty(cap, dtype=torch.int32, device=device)
         self.home_counts = torch.empty(per_chunk, dtype=torch.int32, device=device)

@@ -24,7 +24,6 @@ from ..kernels import gather as gather_mod
 from ..kernels import lookup as lookup_mod
 from ..kernels import operands, segments
 from ..kernels import release as release_mod
-from ..kernels._triton import triton
 from ..kernels.buckets import level_offsets
 from ..kernels.rows import vector_unit
 from ..transfer import Phase, TransferPlan
@@ -309,7 +308,7 @@ def miss_positions(plan: TransferPlan) -> torch.Tensor:
     their fetched rows: chunk by chunk. Reads the per-chunk counts back on the host (a buffer's
     caller sizes its fetch with them)."""
     sc, T = plan.scratch, plan.addresses.numel()
-    need = sc.counts[: triton.cdiv(T, K.CHUNK), int(K.C_NEED)].tolist()
+    need = sc.counts[: K.cdiv(T, K.CHUNK), int(K.C_NEED)].tolist()
     return torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(need)]).long()
 
 
@@ -369,7 +368,7 @@ class CallScratch(_Tensors):
         ``SEG_BLOCK`` (exact LRU: the call's chunks' blocks, then the blocks the plan lists itself
         when they fall short); among ``slots`` GPU slots; a compacting call packs up to
         ``ring_pairs`` LRU ring pairs (the ring's length)."""
-        chunks = triton.cdiv(capacity, K.CHUNK)
+        chunks = K.cdiv(capacity, K.CHUNK)
         lists = max(chunks, ring_lists, slot_lists)
         blocks = max(
             segments.segment_blocks(chunks) + segments.segment_blocks(ring_lists),
@@ -386,7 +385,7 @@ class CallScratch(_Tensors):
             cpu_rank=torch.empty(capacity, **i32),
             miss_pos=torch.empty(chunks * K.CHUNK, **i32),
             counts=torch.empty((chunks, K.COUNT_WORDS), **i32),
-            block_counts=torch.empty((triton.cdiv(chunks, int(K.COUNT_BLOCK)), K.COUNT_WORDS), **i32),
+            block_counts=torch.empty((K.cdiv(chunks, int(K.COUNT_BLOCK)), K.COUNT_WORDS), **i32),
             chunk_off=torch.empty((chunks, K.OFF_WORDS), dtype=torch.int64, device=device),
             victims=torch.empty(capacity, **i32),
             popped=torch.empty(2 * capacity, **i32),
@@ -481,8 +480,8 @@ class TieredLayout:
         if held is not None and held.capacity >= elements:
             return held
         st = self.state
-        ring_lists = triton.cdiv(st.q_slot.shape[1], K.CHUNK)  # exact LRU: the ring, CHUNK pairs a list
-        slot_lists = triton.cdiv(st.gpu_slots, K.CHUNK)  # PB-LRU: CHUNK slots a list, every bucket
+        ring_lists = K.cdiv(st.q_slot.shape[1], K.CHUNK)  # exact LRU: the ring, CHUNK pairs a list
+        slot_lists = K.cdiv(st.gpu_slots, K.CHUNK)  # PB-LRU: CHUNK slots a list, every bucket
         fresh = CallScratch.allocate(
             max(K.CHUNK, K.next_pow2(elements)),
             self.config.torch_device,
