@@ -20,7 +20,7 @@ import itertools
 import pytest
 import torch
 from helpers import RowModel, addr_tensor, assert_reads, assert_same_state, fill, random_rows
-from test_clean_evictions import POLICIES, POLICY_IDS, copies, counts, deltas, row_bytes, split
+from test_clean_evictions import POLICIES, POLICY_IDS, copies, counts, deltas, free_rows, row_bytes, split
 from test_clean_evictions import tiered as tiered_pool
 
 from ulakv import ExactLRU
@@ -170,6 +170,53 @@ def test_copies_never_take_rows_that_hold_other_copies(policy) -> None:
     assert plain_rows(pool, 1) == 0
     assert_reads(pool, model, second._addresses + third._addresses)
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("write_copies", [True, False], ids=["write-copies", "swap-in-copies-only"])
+def test_a_write_that_evicts_clean_keeps_its_copies_in_the_rows_its_victims_popped(
+    policy, write_copies
+) -> None:
+    """One-layer group 1, 4 GPU slots, 12 CPU rows (4 of them staging). Four entries written take plain
+    copies (plain 12 -> 8). A prepare of the first starts a round; three new entries written then
+    evict the other three clean: each victim pops a plain row and goes back to its copy, and the row
+    it popped takes the copy's place in the free list holding the new entry's copy. So the plain
+    run shrinks by the pops alone (8 -> 5, not 2: with a plain copy each as well, a decode step's
+    writes would spend two plain rows a token and run the tier out of them). The new entries'
+    eviction then moves nothing."""
+    pool = tiered(policy, gpu=4, cpu=8, staging=4, write_copies=write_copies)
+    model = RowModel(12)
+    a = pool.admit(4)._addresses
+    model.write(pool, 2, addr_tensor(a), random_rows(1, 4, 12))
+    assert plain_rows(pool, 1) == (8 if write_copies else 12)
+    pool.prepare(1, addr_tensor(a[:1]).view(1, 1))
+    b = pool.admit(3)._addresses
+    held = copies(pool, 1)
+    places = {x: free_rows(pool, 1).index(held[x]) for x in a[1:]} if write_copies else {}
+    s0 = pool.stats()
+    model.write(pool, 2, addr_tensor(b), random_rows(2, 3, 12))
+    assert split(pool, 1, a + b) == ([a[0], *b], a[1:])
+    W = row_bytes(pool, 1)
+    clean = 3 if write_copies else 0
+    # out: the new entries' copies (the victims stay where they were), or the victims' rows
+    assert deltas(s0, pool.stats()) == counts(bytes_out=3 * W, victims=3, clean_evictions=clean)
+    if write_copies:
+        assert plain_rows(pool, 1) == 5
+        now = copies(pool, 1)
+        assert set(now) == {a[0], *b}
+        # each new entry's copy sits where its victim's copy sat (victims in LRU order: a[1:])
+        assert [free_rows(pool, 1).index(now[x]) for x in b] == [places[x] for x in a[1:]]
+    pool.check_invariants()
+    assert_reads(pool, model, a + b)
+
+    s0 = pool.stats()
+    pool.prepare(1, addr_tensor(a[1:]).view(1, 3))  # evicts a[0] and two of b, in LRU order
+    out = 0 if write_copies else 3 * W
+    assert deltas(s0, pool.stats()) == counts(
+        misses=3, bytes_in=3 * W, bytes_out=out, victims=3, clean_evictions=clean
+    )
+    pool.check_invariants()
+    assert_reads(pool, model, a + b)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)

@@ -43,7 +43,8 @@ E_QUEUE_AT = tl.constexpr(19)  # exact LRU: the ring index of the call's first a
 E_REFUSALS = tl.constexpr(20)  # calls refused so far (mod 2**32): the count each report carries
 E_COPIES = tl.constexpr(21)  # a write: its new entries given a clean copy in a plain free CPU row
 E_WRITE_COPIES = tl.constexpr(22)  # 1: writes make copies and write through (``Tiered.write_copies``)
-CTL_WORDS = 23
+E_CLEAN_COPIES = tl.constexpr(23)  # a write: its new entries whose copy is the row their clean victim popped
+CTL_WORDS = 24
 CTL_BLOCK = tl.constexpr(32)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.

@@ -18,10 +18,13 @@ order) and writes one column of ``moves`` (``K.MV_*`` words):
   not from the CPU;
 - ``MV_FLAGS``: ``MF_CLEAN`` (its victim's bytes stay: no copy out) and ``MF_REFILL`` (the row it
   popped, unused, takes its victim's copy's place in the free list);
-- ``MV_COPY``: the CPU row a write's miss's rows go to at ``in``, every layer: for a new entry with
-  a slot among the first ``E_COPIES``, the plain free row right below the call's pops
-  (``popped[pops + j]``) that receives its copy (``MV_PUSH`` is then where that row rejoins the free
-  list, the bottom, in miss order); for one without a slot, its home (``MV_ROW``); ``-1``: none.
+- ``MV_COPY``: the CPU row a write's miss's rows go to at ``in``, every layer: for a new entry in
+  a clean victim's slot, the row that victim popped, which takes the victim's copy's place in the
+  free list (``MV_PUSH`` is that place); for another new entry with a slot, ``k``-th of those in
+  miss order (``k = j - clean_before(j)``) with ``k < E_COPIES``, the plain free row right below
+  the call's pops (``popped[pops + k]``) that receives its copy (``MV_PUSH`` is then where that
+  row rejoins the free list, the bottom, in that order); for one without a slot, its home
+  (``MV_ROW``); ``-1``: none (write copies off, or plain rows ran out).
 
 Apply (``ulakv.kernels.apply``) only carries these out, in every launch of the plan, and
 ``TransferPlan.describe`` reads them back: what the plan shows is what the run does.
@@ -167,13 +170,19 @@ def decide_kernel(
                 pushes = live & (src >= G)
                 bottom = push_base - before * fill + push_off
                 bottom = K.wrap(bottom + tl.load(cpu_rank_ptr + p, mask=pushes, other=0), C)  # < 2C
-                filled = tl.load(cpu_pos_ptr + copy, mask=pushes & fills, other=0)
-                push = tl.where(pushes, tl.where(fills, filled, bottom), -1).to(tl.int32)
-                # A write's first ``copies`` misses (each has a slot) get a copy in the plain row
-                # below the call's pops, and that row rejoins the list at the bottom, in miss order.
-                copied = live & (j < copies)
-                copy_to = tl.load(popped_ptr + pops + j, mask=copied, other=-1)
-                push = tl.where(copied, K.wrap(push_base + j, C), push).to(tl.int32)
+                # A write's new entry in a clean victim's slot keeps its copy in the row the victim
+                # popped, in the copy's place (evict puts it there); the others with a slot, the
+                # first ``copies`` in miss order, in the plain rows below the call's pops, which
+                # rejoin the list at the bottom, in that order. (A prepare plans no copies.)
+                paired = refill & ((j * 0 + control_word(ctl, K.E_CLEAN_COPIES)) != 0)
+                place = tl.load(cpu_pos_ptr + copy, mask=(pushes & fills) | paired, other=0)
+                push = tl.where(pushes, tl.where(fills, place, bottom), -1)
+                k = j - before
+                plain_copy = has_slot & ~counted_clean & (k < copies)
+                copy_to = tl.load(popped_ptr + pops + k, mask=plain_copy, other=-1)
+                copy_to = tl.where(paired, cpu_row, copy_to)
+                push = tl.where(plain_copy, K.wrap(push_base + k, C), push)
+                push = tl.where(paired, place, push).to(tl.int32)
                 # (a written entry with no slot gets its rows in the row it popped, its home)
                 copy_to = tl.where(live & ~has_slot, cpu_row, copy_to)
             flags = clean.to(tl.int32) * K.MF_CLEAN + refill.to(tl.int32) * K.MF_REFILL
@@ -277,10 +286,14 @@ def decide_reference(st, g: int, scratch, T: int) -> None:
         bottom = (ctl[int(K.E_PUSH_BASE)] - before * fill + offsets[chunk, int(K.O_PUSH)] + rank) % C
         filled = st.cpu_pos[g].cpu().to(torch.int64)[copy.clamp(min=0)]
         push = torch.where(pushes, torch.where(fills, filled, bottom), -1)
-        copied = j < ctl[int(K.E_COPIES)]
-        copy_to = torch.where(copied, popped[(pops + j).clamp(max=popped.numel() - 1)], -1)
+        paired = refill & bool(ctl[int(K.E_CLEAN_COPIES)])
+        k = j - before
+        copied = has_slot & ~counted_clean & (k < ctl[int(K.E_COPIES)])
+        copy_to = torch.where(copied, popped[(pops + k).clamp(max=popped.numel() - 1)], -1)
+        copy_to = torch.where(paired, cpu_row, copy_to)
         copy_to = torch.where(has_slot, copy_to, cpu_row)
-        push = torch.where(copied, (ctl[int(K.E_PUSH_BASE)] + j) % C, push)
+        push = torch.where(copied, (ctl[int(K.E_PUSH_BASE)] + k) % C, push)
+        push = torch.where(paired, filled, push)
     flags = clean.to(torch.int64) * int(K.MF_CLEAN) + refill.to(torch.int64) * int(K.MF_REFILL)
     words = torch.stack([pos, slot, cpu_row, dest, push, flags, copy_to]).to(torch.int32)
     scratch.moves[:, : j.numel()] = words.to(scratch.moves.device)

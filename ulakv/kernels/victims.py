@@ -41,9 +41,11 @@ segments.
    row each clean victim's miss leaves takes its copy's place in the free list. Otherwise every
    miss past the free GPU slots pops a row (for its victim, or for itself in a write that found no
    slot). Either way a victim never lands in a row someone still lives in. A write then gives its
-   first new entries with a GPU slot a copy each (``E_COPIES``) in the plain rows right below its
-   pops (``G_CPU_PLAIN``: the run on top of the free list that holds no copy), rows that go to the
-   bottom of the list, so a victim counted clean still finds its copy intact.
+   new entries with a GPU slot a copy each: one in a clean victim's slot in the row that victim
+   popped (which takes the victim's copy's place in the list), the others in miss order
+   (``E_COPIES`` of them) in the plain rows right below its pops (``G_CPU_PLAIN``: the run on top
+   of the free list that holds no copy), rows that go to the bottom of the list, so a victim
+   counted clean still finds its copy intact.
 4. Exact LRU, a compacting call: running totals of the ring blocks' live pairs, and the compacted
    ring's tail and round tail (apply's workers copy the pairs into place).
 5. Where the call's LRU appends start (``E_QUEUE_AT``). Each chunk's offsets (where its misses
@@ -534,17 +536,19 @@ def victims_program(
             _, last_start, last_clean, last_at = find_last_segment(
                 got - 1, seg_ptr, seg_blocks_ptr, cand_blocks, BLOCK
             )
-        # A prepare whose misses all come from the CPU fills: a clean victim pops no row, and the row
-        # its miss leaves takes its copy's place in the free list (apply). Otherwise (a write, or a
-        # prepare of an entry never written: a miss with no row to leave) every victim pops one.
+        # The victims counted clean (their copies lie below every pop of the call). A prepare whose
+        # misses all come from the CPU fills: a clean victim pops no row, and the row its miss
+        # leaves takes its copy's place in the free list (apply). Otherwise (a write, or a prepare
+        # of an entry never written: a miss with no row to leave) every victim pops one; in a
+        # write, the row a clean victim pops takes its copy's place holding its new entry's copy.
         fill = tl.zeros((), dtype=tl.int64)
         n_clean = tl.zeros((), dtype=tl.int64)
-        if not WRITE:
-            if not CACHE:
+        if not CACHE:
+            if not WRITE:
                 fill = (MC == M).to(tl.int64)
-                if (fill != 0) & (got > 0):
-                    bit, in_segment = _unpacked_clean(tl.load(cand_ptr + last_at + (got - 1 - last_start)))
-                    n_clean = last_clean + in_segment + bit
+            if got > 0:
+                bit, in_segment = _unpacked_clean(tl.load(cand_ptr + last_at + (got - 1 - last_start)))
+                n_clean = last_clean + in_segment + bit
         if POLICY == K.EXACT_LRU:
             new_head = head
             if want > 0:
@@ -622,18 +626,23 @@ def victims_program(
         # at the bottom after its mapping moved, or, filling, in its clean victim's copy's place.
         # The classify programs copied the top to scratch, so the bottom may wrap over the popped
         # region without racing apply's readers of the pops.
-        pops = M - k_free - n_clean
-        pushes = push_run - n_clean
+        pops = M - k_free - n_clean * fill
+        pushes = push_run - n_clean * fill
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
-        # A write gives its first new entries with a GPU slot a copy each, in the plain rows right
-        # below its pops (never a row that holds a copy, nor one the call pops), and puts those rows
-        # at the bottom: the free count is unchanged, the plain run shrinks by the pops and copies.
+        # A write gives its new entries with a GPU slot a copy each: one in a clean victim's slot
+        # in the row that victim popped (``n_clean`` of them), the others, in miss order, in the
+        # plain rows right below its pops (never a row that holds a copy, nor one the call pops),
+        # which go to the bottom: the free count is unchanged, the plain run shrinks by the pops
+        # and those copies.
         plain = tl.maximum(control_word(gctl, K.G_CPU_PLAIN) - pops, 0)
         copies = tl.zeros((), dtype=tl.int64)
+        clean_copies = tl.zeros((), dtype=tl.int64)
         if WRITE:
             if not CACHE:
-                copies = tl.where(control_word(ctl, K.E_WRITE_COPIES) != 0, tl.minimum(V, plain), 0)
+                if control_word(ctl, K.E_WRITE_COPIES) != 0:
+                    copies = tl.minimum(V - n_clean, plain)
+                    clean_copies = n_clean
         plain -= copies
         # (pushes + copies <= C: rows that exist; a call pushes, or a write copies, never both)
         bottom = K.wrap(control_word(gctl, K.G_CPU_BOT) - pushes - copies, C)
@@ -654,8 +663,9 @@ def victims_program(
             round_bucket = rnd % R
         plan = tl.where(cw == K.E_ROUND_BUCKET, round_bucket, plan)
         plan = tl.where(cw == K.E_MISSES, M, tl.where(cw == K.E_QUEUE_AT, queue_at, plan))
-        plan = tl.where(cw == K.E_COPIES, copies, plan)
+        plan = tl.where(cw == K.E_COPIES, copies, tl.where(cw == K.E_CLEAN_COPIES, clean_copies, plan))
         planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE) | (cw == K.E_COPIES)
+        planned = planned | (cw == K.E_CLEAN_COPIES)
         planned = planned | (cw == K.E_SEG_BLOCKS) | (cw == K.E_FILL) | (cw == K.E_POPS)
         planned = planned | (cw == K.E_RING_BLOCKS) | (cw == K.E_RING_AT) | (cw == K.E_RING_DROPPED)
         planned = planned | (cw == K.E_ROUND_BUCKET) | (cw == K.E_MISSES) | (cw == K.E_QUEUE_AT)
@@ -669,7 +679,7 @@ def victims_program(
         if WRITE:
             cpu_rows = CF + (M - V)  # written in place on the CPU, or new entries homed there
             # ... and the copies, every layer of the group (the written row, zeros for the others)
-            written = cpu_rows * layer_row_bytes + copies * group_row_bytes
+            written = cpu_rows * layer_row_bytes + (copies + clean_copies) * group_row_bytes
             delta = tl.where(sw == K.S_BYTES_OUT, written, delta)
         else:
             fetched = MC  # a tier swaps in its CPU-resident misses
@@ -806,11 +816,15 @@ def victims_reference(
         if not st.CACHE:
             clean = clean_candidates_reference(st, g, victims[k_free:], M - k_free)
         fill = not write and not st.CACHE and MC == M
-        n_clean = sum(clean) if fill else 0
-        pops = 0 if st.CACHE else M - k_free - n_clean  # copied to scratch.popped by the classify
-        pushes = push_run - n_clean
+        n_clean = sum(clean)
+        pops = 0 if st.CACHE else M - k_free - n_clean * fill  # copied to scratch.popped by the classify
+        pushes = push_run - n_clean * fill
         plain = max(int(gctl[int(K.G_CPU_PLAIN)]) - pops, 0)
-        copies = min(V, plain) if write and not st.CACHE and int(ctl[int(K.E_WRITE_COPIES)]) else 0
+        # A write's copies: a clean victim's new entry in the row the victim popped, the others
+        # in plain rows below the pops while they last.
+        copying = write and not st.CACHE and int(ctl[int(K.E_WRITE_COPIES)])
+        copies = min(V - n_clean, plain) if copying else 0
+        clean_copies = n_clean if copying else 0
         plain -= copies
         bottom = (int(gctl[int(K.G_CPU_BOT)]) - pushes - copies) % st.cpu_stack_size
         gctl[int(K.G_HEAD)] = head
@@ -821,6 +835,7 @@ def victims_reference(
         gctl[int(K.G_CPU_BOT)] = bottom
         gctl[int(K.G_CPU_PLAIN)] = plain
         ctl[int(K.E_COPIES)] = copies
+        ctl[int(K.E_CLEAN_COPIES)] = clean_copies
         ctl[int(K.E_FILL)] = int(fill)
         ctl[int(K.E_POPS)] = pops
         ctl[int(K.E_KFREE)] = k_free
@@ -843,7 +858,9 @@ def victims_reference(
         ctl[int(K.E_PUSH_BASE)] = bottom
         evicted = V - k_free
         if write:
-            stats[int(K.S_BYTES_OUT)] += (CF + M - V) * layer_row_bytes + copies * group_row_bytes
+            stats[int(K.S_BYTES_OUT)] += (CF + M - V) * layer_row_bytes + (
+                copies + clean_copies
+            ) * group_row_bytes
         else:
             stats[int(K.S_HITS)] += H
             stats[int(K.S_MISSES)] += M

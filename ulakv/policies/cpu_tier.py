@@ -17,9 +17,11 @@ never written) every victim pops a row. A victim that popped a row goes back to 
 same when no pop of the call took it (deeper than the rows the call actually pops, or the very row
 it popped), and the row it popped takes the copy's place.
 
-A write also gives copies (``Tiered.write_copies``): each new entry it puts on the GPU, in miss order,
-takes one while *plain* rows (the run on top of the list that holds no copy: ``plain``) lie below
-the call's pops, and that row goes to the bottom like a swap-in's; an entry on the GPU written again
+A write also gives copies (``Tiered.write_copies``): a new entry that takes a clean victim's slot
+keeps its copy in the row that victim popped (which takes the victim's copy's place in the list);
+each other new entry it puts on the GPU, in miss order, takes one while *plain* rows (the run on top
+of the list that holds no copy: ``plain``) lie below the call's pops, and that row goes to the bottom
+like a swap-in's; an entry on the GPU written again
 writes through to its copy when the copy is intact and no pop of the call takes it, and loses it
 otherwise.
 
@@ -116,6 +118,10 @@ class CPUTierModel:
         slot) each pop a row off the top; a clean victim goes back to its copy, and the row it
         popped, unused, takes the copy's place in the list. Returns the victims whose bytes were
         copied."""
+        return self._place(victims, to_cpu)[0]
+
+    def _place(self, victims: list[int], to_cpu: list[int]) -> tuple[int, list[int]]:
+        """``place``, also returning the rows popped, in pop order (the victims' first)."""
         pops = len(victims) + len(to_cpu)
         back, mine = self._clean_rows(victims, pops), [self._intact(a) for a in victims]
         popped = self._pop(pops)
@@ -124,17 +130,19 @@ class CPUTierModel:
             copied += self._evict(a, row, copy if copy is not None else (own if own == row else None))
         for a, row in zip(to_cpu, popped[len(victims) :], strict=True):
             self._home(a, row)
-        return copied
+        return copied, popped
 
     def write(
         self, victims: list[int], to_cpu: list[int], placed: list[int], rewritten: list[int]
     ) -> tuple[int, int, int]:
         """A write's moves, as ``place`` (``victims`` out, ``to_cpu`` homed on the CPU), and its
-        copies: ``placed`` (new entries given a GPU slot, in miss order) take a copy each, while
-        plain rows lie below the call's pops, in those rows (now at the bottom of the list, the first
-        lowest); ``rewritten`` (entries on the GPU written again) write through to a copy no pop of
-        the call takes, and lose any other. Returns the victims whose bytes were copied, the copies
-        made and the rows written through."""
+        copies (``placed``: new entries given a GPU slot, in miss order, the free slots' first,
+        then one a victim in eviction order). A new entry that takes a clean victim's slot keeps
+        its copy in the row that victim popped, which took the victim's copy's place in the list;
+        the others take one each while plain rows lie below the call's pops, in those rows (now at
+        the bottom of the list, the first lowest). ``rewritten`` (entries on the GPU written again)
+        write through to a copy no pop of the call takes, and lose any other. Returns the victims
+        whose bytes were copied, the copies made and the rows written through."""
         pops = len(victims) + len(to_cpu)
         deep = self._clean_rows(rewritten, pops) if self.write_copies else [None] * len(rewritten)
         through = [a for a, row in zip(rewritten, deep, strict=True) if row is not None]
@@ -142,14 +150,24 @@ class CPUTierModel:
         for a in rewritten:
             if a not in kept:
                 self.copy.pop(a, None)
-        made = min(len(placed), max(self.plain - pops, 0)) if self.write_copies else 0
-        copied = self.place(victims, to_cpu)
+        k_free = len(placed) - len(victims)
+        clean = self._clean_rows(victims, pops) if self.write_copies else [None] * len(victims)
+        paired = {k_free + i for i, row in enumerate(clean) if row is not None}
+        others = [a for j, a in enumerate(placed) if j not in paired]
+        made = min(len(others), max(self.plain - pops, 0)) if self.write_copies else 0
+        copied, popped = self._place(victims, to_cpu)
+        for j in sorted(paired):  # the row the clean victim popped, now in its copy's place
+            self._copy(placed[j], popped[j - k_free])
         rows = self._pop(made)
         self._push(rows)
-        for a, row in zip(placed, rows, strict=False):
-            self.copy_of[row] = a
-            self.copy[a] = row
-        return copied, made, len(through)
+        for a, row in zip(others, rows, strict=False):
+            self._copy(a, row)
+        return copied, made + len(paired), len(through)
+
+    def _copy(self, address: int, row: int) -> None:
+        """``row``, a free row, now holds ``address``'s copy."""
+        self.copy_of[row] = address
+        self.copy[address] = row
 
     def _evict(self, address: int, popped: int | None, copy: int | None) -> int:
         """``address`` leaves the GPU: back to its ``copy`` if given (the row it ``popped``, if any
