@@ -42,15 +42,34 @@ def refusal(
     ``kernels/common.py``), by the first bit set of: a bad address, a duplicate in a write, more
     addresses live than the pool holds, a selection over the pool's bound, one over a home's share
     (a striped pool). Each pool kind says what its limits are (``bad_address`` and the others:
-    the words after ``what:``); every message ends by saying nothing changed."""
+    the words after ``what:``); every message ends by saying nothing changed. (A prepare's new row
+    whose address is not new is refused after a bad address and a duplicate.)"""
     if status & int(K.ST_BAD_ADDRESS):
         return InvalidAddressError(f"{what}: {bad_address}; nothing changed")
     if status & int(K.ST_DUPLICATE):
         return InvalidAddressError(f"{what}: an address appears more than once; nothing changed")
+    if status & int(K.ST_NOT_NEW):
+        return InvalidAddressError(
+            f"{what}: a new row's address already has a home or appears twice among the new rows "
+            "(write it with write()); nothing changed"
+        )
     for bit, words in ((K.ST_FULL, full), (K.ST_TOO_LARGE, too_large), (K.ST_HOME_LIMIT, home_limit)):
         if status & int(bit) and words:
             return CapacityError(f"{what}: {words}; nothing changed")
     return UlakvError(f"{what}: failed with status {status}; nothing changed")
+
+
+@dataclass(frozen=True)
+class NewRows:
+    """New tokens' rows handed to ``prepare`` (``prepare(group, topk, new=NewRows(...))``): layer
+    ``layer`` (of the prepared group) of the addresses ``addresses`` (int32/int64 ``[n]``, ``-1``
+    padding, none homed yet) is ``rows`` (uint8 ``[n, bytes_per_layer]``, any view). One plan
+    decides their homes and the selection's misses together: the write and the prepare of a
+    layer in one call, with the same guarantees as the two."""
+
+    layer: int
+    addresses: torch.Tensor
+    rows: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -211,12 +211,20 @@ class PlanSnapshot:
     round: int  # G_ROUND: rounds started by prepare
     ring: list[tuple[int, bool]] | None  # exact LRU: (slot, used this round), oldest first
     stamp: list[int] | None  # PB-LRU: round each slot was last used
+    new: int = 0  # a prepare's new tokens (``NewRows``), the selection's first elements
 
 
-def snapshot_plan(state, group: int, selection: torch.Tensor, *, write: bool) -> PlanSnapshot:
+def snapshot_plan(
+    state, group: int, selection: torch.Tensor, *, write: bool, new: torch.Tensor | None = None
+) -> PlanSnapshot:
     """Copy the group's residency and recency to the host, for :func:`check_plan`. Call this right
-    before the plan kernels of a prepare (``write=False``) or a write of ``selection`` run."""
+    before the plan kernels of a prepare (``write=False``) or a write of ``selection`` run; a
+    prepare's ``new`` addresses (``NewRows``) lead its elements, as its plan orders them."""
     sel = selection.reshape(-1).to(torch.int64).cpu().tolist()
+    n_new = 0
+    if new is not None:
+        n_new = new.numel()
+        sel = new.reshape(-1).to(torch.int64).cpu().tolist() + sel
     N = state.num_addresses
     held = sorted({a for a in sel if 0 <= a < N})
     homes = {}
@@ -239,6 +247,7 @@ def snapshot_plan(state, group: int, selection: torch.Tensor, *, write: bool) ->
         round=gctl[int(K.G_ROUND)],
         ring=ring,
         stamp=None if lru else state.stamp[group].tolist(),
+        new=n_new,
     )
 
 
@@ -274,8 +283,9 @@ def check_plan(state, plan, snap: PlanSnapshot) -> None:
 
     The state after the plan:
 
-    * 3: each element of a prepare maps to the GPU slot the plan returned for it (-1 for padding).
-      Whether that slot holds the right data is not checked here.
+    * 3: each element of a prepare maps to the GPU slot the plan returned for it (-1 for padding;
+      a prepare's new tokens, which return none, to a GPU slot). Whether that slot holds the right
+      data is not checked here.
     * 7 (exact LRU): the ring's valid pairs, oldest first, are the model's order, and exactly the
       model's current-round entries lie past ``round_tail``.
     * 5 (PB-LRU): every slot this call used (hits and filled victims) is stamped with the current
@@ -350,11 +360,13 @@ def check_plan(state, plan, snap: PlanSnapshot) -> None:
 
     # -- the state the plan left ---------------------------------------------------------------
     if not snap.write:
-        slots = plan.slots[:T].cpu().tolist()
+        slots = [None] * snap.new + plan.slots[: T - snap.new].cpu().tolist()
         at = torch.tensor(list(snap.homes), dtype=torch.int64, device=state.mapping.device)
         maps = dict(zip(snap.homes, state.mapping[g, at].tolist(), strict=True))
         for p, a in enumerate(sel):
             want = -1 if a == -1 else maps[a]
+            if p < snap.new:  # a new token: no slot out, but a home on the GPU
+                slots[p] = want if a == -1 or 0 <= want < G else slots[p]
             if slots[p] != want or (a != -1 and not 0 <= want < G):
                 _fail(g, f"invariant 3: element {p} (address {a}) got slot {slots[p]}, its home is {want}")
     if lru:

@@ -58,15 +58,19 @@ class TransferPlan:
 
     group: int
     layers: range
-    addresses: torch.Tensor  # [T] the flattened selection
+    addresses: torch.Tensor  # [T] the flattened selection (a prepare's new tokens first: ``n_new``)
     scratch: object  # the layout's CallScratch
-    slots: torch.Tensor | None  # int32 [T]: the output of a prepare
-    rows: torch.Tensor | None  # the rows of a write, packed, as words when the width allows
+    slots: torch.Tensor | None  # int32 [T - n_new]: the output of a prepare
+    # the rows of a write, or of a prepare's new tokens, packed, as words when the width allows
+    rows: torch.Tensor | None
     write_layer: int
     ctl: torch.Tensor  # the pool's control words (the plan's totals live there)
     # The caller's output buffer when the kernels cannot store into it in place (strided, or
     # unaligned): ``slots`` are copied into it as soon as the evict phase has written them.
     out: torch.Tensor | None = None
+    # A prepare with new rows (``NewRows``): its first ``n_new`` addresses are the new tokens,
+    # ``rows`` theirs, and ``write_layer`` the layer they fill.
+    n_new: int = 0
     applied: int = 0
     layers_in: set[int] = field(default_factory=set)
 
@@ -87,9 +91,9 @@ class TransferPlan:
         itself (``cpu_row``, -1: none), whether its victim goes back to its copy, a free row that
         still holds its bytes, with no bytes moved (``clean``), and the CPU row its victim's entry
         lives in afterwards (``victim_row``: the copy when clean, else ``cpu_row``; -1 for a miss
-        into a free slot, one without a slot, or a buffer's dropped victim), and the plain free row
-        a write's new entry takes its copy in (``copy_row``, -1: none). A refused call plans no
-        move."""
+        into a free slot, one without a slot, or a buffer's dropped victim), and the free row a new
+        entry (a write's, or a prepare's new token) takes its copy in (``copy_row``, -1: none). A
+        refused call plans no move."""
         ctl = self.ctl.cpu()
         planned = int(ctl[int(K.E_LAST_STATUS)]) == 0
         moves = self.scratch.moves[:, : int(ctl[int(K.E_MISSES)]) if planned else 0].cpu().to(torch.int64)

@@ -140,11 +140,12 @@ class MissTile(NamedTuple):
 
 
 @triton.jit
-def _miss_tile(j, live, k_free, moves_ptr, cap, sel_ptr, home_ptr, WRITE: tl.constexpr):
+def _miss_tile(j, live, k_free, moves_ptr, cap, sel_ptr, home_ptr, NEW: tl.constexpr):
     """The call's misses ``j`` (``live``: those that exist) with the moves the plan decided for
     them (``k_free``: the misses into free slots): one load a word, all independent, then the
-    address and source home by position. Only a write has copies to make (a prepare's ``copy`` is
-    -1, known to the compiler: the prepare variants keep their registers)."""
+    address and source home by position. Only a call with new entries (``NEW``: a write, or a
+    prepare with new rows) has copies to make (otherwise ``copy`` is -1, known to the compiler:
+    the plain prepare variants keep their registers)."""
     moves = moves_ptr + j
     p = tl.load(moves + K.MV_POS * cap, mask=live, other=0)
     v = tl.load(moves + K.MV_SLOT * cap, mask=live, other=-1)
@@ -153,7 +154,7 @@ def _miss_tile(j, live, k_free, moves_ptr, cap, sel_ptr, home_ptr, WRITE: tl.con
     push = tl.load(moves + K.MV_PUSH * cap, mask=live, other=-1)
     flags = tl.load(moves + K.MV_FLAGS * cap, mask=live, other=0)
     copy = tl.full(j.shape, -1, tl.int32)
-    if WRITE:
+    if NEW:
         copy = tl.load(moves + K.MV_COPY * cap, mask=live, other=-1)
     a = tl.load(sel_ptr + p, mask=live, other=0).to(tl.int64)
     src = tl.load(home_ptr + p, mask=live, other=0)
@@ -216,10 +217,11 @@ def _bring_in(
     in_lo,
     in_hi,
     new_rows_ptr,
+    n_new,
     write_layer,
     fetched_ptr,
     fetch_row_ptr,
-    WRITE: tl.constexpr,
+    NEW: tl.constexpr,
     CACHE: tl.constexpr,
     VECS: tl.constexpr,
     UNIT: tl.constexpr,
@@ -227,20 +229,22 @@ def _bring_in(
 ):
     """Phase ``in`` (data): each miss's rows, layers ``[in_lo, in_hi)`` of the group, into its GPU
     slot (or, a written entry with no slot, its CPU row): from its CPU home, a buffer's fetched
-    rows, or zeros (never written); a write's own layer from the caller's rows. A write's new entry
-    given a copy stores the same rows, zeros included, in its copy's row."""
+    rows, or zeros (never written); a new entry's written layer (a write's, or a prepare's new
+    token: positions below ``n_new``) from the caller's rows. A new entry given a copy stores the
+    same rows, zeros included, in its copy's row."""
     vm = (tl.arange(0, VECS) < rows.n_vec)[None, :, None]
     from_cpu = (t.live & (t.src >= G))[:, None, None] & vm
     src2, _ = unit_offsets((t.src - G).to(tl.int64), rows.n_vec, VECS, UNIT)
     to_gpu = t.has_slot[:, None, None] & vm
-    # Only a write stores a miss's rows in a CPU row (a prepare gives every miss a slot): the row
-    # the plan named (``copy``), its home when it has no slot, else its copy's plain row.
+    # Only a new entry's rows go to a CPU row at ``in`` (a prepare gives every miss a slot): the
+    # row the plan named (``copy``), its home when it has no slot, else its copy's row.
     to_cpu = (t.copy >= 0)[:, None, None] & vm
     g2, _ = unit_offsets(t.v.to(tl.int64), rows.n_vec, VECS, UNIT)
     c2, _ = unit_offsets(t.copy.to(tl.int64), rows.n_vec, VECS, UNIT)
-    if WRITE:
+    if NEW:
+        is_new = (t.live & (t.pos < n_new))[:, None, None]
         p2, _ = unit_offsets(t.pos.to(tl.int64), rows.n_vec, VECS, UNIT)
-        new_row = load_units(new_rows_ptr, p2, to_gpu | to_cpu, UNIT, UNIT_BYTES)
+        new_row = load_units(new_rows_ptr, p2, is_new & (to_gpu | to_cpu), UNIT, UNIT_BYTES)
     if CACHE:  # rows fetched from their home ranks, every layer of the group: miss j's is row
         # fetch_row[j] (an all-gather's output is in home order, not miss order)
         f_row = tl.load(fetch_row_ptr + t.j, mask=t.has_slot, other=0).to(tl.int64)
@@ -250,19 +254,19 @@ def _bring_in(
             row = load_units(fetched_ptr, f2, to_gpu, UNIT, UNIT_BYTES)
         else:
             row = load_units(rows.cpu + layer * rows.cpu_stride, src2, from_cpu, UNIT, UNIT_BYTES)
-        if WRITE:
-            is_written = (tl.zeros(new_row.shape, tl.int32) + layer) == write_layer
+        if NEW:
+            is_written = is_new & ((tl.zeros(new_row.shape, tl.int32) + layer) == write_layer)
             row = tl.where(is_written, new_row, row)
         store_units(rows.gpu + layer * rows.gpu_stride, g2, row, to_gpu, UNIT, UNIT_BYTES)
-        if WRITE:
+        if NEW:
             store_units(rows.cpu + layer * rows.cpu_stride, c2, row, to_cpu, UNIT, UNIT_BYTES)
 
 
 @triton.jit
-def _commit(t, homes, CACHE: tl.constexpr, WRITE: tl.constexpr):
+def _commit(t, homes, CACHE: tl.constexpr, NEW: tl.constexpr):
     """Phase ``commit`` (mapping): misses live where their rows are; each miss from the CPU leaves
-    its row, now its copy, where the plan put it in the free list (``push``), and so does a write's
-    new entry its copy's row (a write's misses never come from the CPU)."""
+    its row, now its copy, where the plan put it in the free list (``push``), and so does a new
+    entry its copy's row (a new entry never comes from the CPU)."""
     G = homes.gpu_slots
     tl.store(homes.mapping + t.address, tl.where(t.has_slot, t.v, G + t.cpu_row), mask=t.live)
     tl.store(homes.owner + t.v, t.address.to(tl.int32), mask=t.has_slot)
@@ -270,8 +274,8 @@ def _commit(t, homes, CACHE: tl.constexpr, WRITE: tl.constexpr):
         # the row that rejoins the list holding its entry's bytes (the plan placed it: ``push``)
         joins = t.live & (t.push >= 0)
         row = t.src - G
-        if WRITE:
-            row = t.copy
+        if NEW:
+            row = tl.where(t.src >= G, row, t.copy)
         tl.store(homes.cpu_free + t.push, row, mask=joins)
         tl.store(homes.cpu_pos + row, t.push, mask=joins)
         tl.store(homes.copy_slot + row, t.v, mask=joins & t.has_slot)
@@ -303,6 +307,7 @@ def _commit_buckets(t, buckets_of, rnd, rnd_bucket):
 @triton.jit(
     do_not_specialize=[
         "T",
+        "n_new",
         "G",
         "Qcap",
         "L",
@@ -341,6 +346,7 @@ def _commit_buckets(t, buckets_of, rnd, rnd_bucket):
 def apply_kernel(
     sel_ptr,
     T,
+    n_new,
     G,
     home_ptr,
     flags_ptr,
@@ -392,6 +398,7 @@ def apply_kernel(
     ring_blocks_ptr,
     homed_programs,
     WRITE: tl.constexpr,
+    NEW: tl.constexpr,
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
@@ -435,12 +442,14 @@ def apply_kernel(
         inb = pos < T
         if status != 0:
             if not WRITE:
-                if run_evict:
-                    tl.store(slots_ptr + pos, tl.full((ELEMS,), -1, tl.int32), mask=inb)
+                if run_evict:  # (a prepare's new tokens, its first n_new elements, have no slot out)
+                    out = inb & (pos >= n_new)
+                    tl.store(slots_ptr + pos - n_new, tl.full((ELEMS,), -1, tl.int32), mask=out)
         else:
             _serve_elements(
                 pos,
                 inb,
+                n_new,
                 e0 // CHUNK,
                 run_evict,
                 run_commit,
@@ -507,7 +516,7 @@ def apply_kernel(
         tile = worker.to(tl.int64)
         while tile < miss_tiles:
             j = tile * ROWS + tl.arange(0, ROWS)
-            t = _miss_tile(j, j < M, k_free, moves_ptr, cap, sel_ptr, home_ptr, WRITE)
+            t = _miss_tile(j, j < M, k_free, moves_ptr, cap, sel_ptr, home_ptr, NEW)
             # Data, mapping, data, mapping (a buffer drops its victims: no out phase).
             if run_out and not CACHE:
                 _out(t, rows, owner_ptr, VECS, UNIT, UNIT_BYTES)
@@ -523,10 +532,11 @@ def apply_kernel(
                     in_lo,
                     in_hi,
                     rows_ptr,
+                    n_new,
                     write_layer,
                     fetched_ptr,
                     fetch_row_ptr,
-                    WRITE,
+                    NEW,
                     CACHE,
                     VECS,
                     UNIT,
@@ -534,7 +544,7 @@ def apply_kernel(
                 )
             tl.debug_barrier()  # the misses' rows in before their mapping moves
             if run_commit:
-                _commit(t, homes, CACHE, WRITE)
+                _commit(t, homes, CACHE, NEW)
                 if POLICY == K.PBLRU:
                     bitmaps = Buckets(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R)
                     _commit_buckets(t, bitmaps, rnd, rnd_bucket)
@@ -564,6 +574,7 @@ def apply_kernel(
 def _serve_elements(
     pos,
     inb,
+    n_new,
     chunk,
     run_evict,
     run_commit,
@@ -586,14 +597,15 @@ def _serve_elements(
     POLICY: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Elements ``pos`` (of chunk ``chunk``): their GPU slots at ``evict`` (a prepare's output; exact
-    LRU keeps them for commit), and under exact LRU their appends to the LRU ring at ``commit``."""
+    """Elements ``pos`` (of chunk ``chunk``): their GPU slots at ``evict`` (a prepare's output, but
+    for its first ``n_new``, new tokens; exact LRU keeps them for commit), and under exact LRU their
+    appends to the LRU ring at ``commit``."""
     if run_evict:
         slot = _slot_of(
             pos, inb, CHUNK, flags_ptr, home_ptr, first_pos_ptr, chunk_off_ptr, miss_rank_ptr, moves_ptr, cap
         )
         if not WRITE:
-            tl.store(slots_ptr + pos, slot, mask=inb)
+            tl.store(slots_ptr + pos - n_new, slot, mask=inb & (pos >= n_new))
         if POLICY == K.EXACT_LRU:
             tl.store(slot_of_ptr + pos, slot, mask=inb)  # for commit's recency
     tl.debug_barrier()  # the slots stored above, before commit's loads of them
@@ -727,10 +739,13 @@ def apply(
     in_layers: range | None = None,
     fetched: torch.Tensor | None = None,
     fetch_rows: torch.Tensor | None = None,
+    n_new: int = 0,
 ) -> int:
     """Launch apply for group ``g`` (layers ``layers``): the phases ``phases`` (first, last), moving
-    the group's layers ``in_layers`` (default all) in the ``in`` phase. ``rows`` (packed ``[T, W]``)
-    only for a write, ``slots`` (int32 ``[T]``, packed) only for a prepare. A buffer (``st.CACHE``)
+    the group's layers ``in_layers`` (default all) in the ``in`` phase. A write has ``rows``
+    (packed ``[T, W]``) and no ``slots``; a prepare has ``slots`` (int32, packed) for its elements
+    past its first ``n_new``, new tokens whose rows are ``rows[:n_new]`` (``NewRows``; otherwise no
+    ``rows``). A buffer (``st.CACHE``)
     takes its misses' rows from ``fetched`` (packed ``[rows, layers, W]``; miss ``j``'s is row
     ``fetch_rows[j]``, int64) and drops its victims. Rows are in the unit ``as_words`` gives the
     pool's own rows (words when the width is a multiple of 4, else bytes); ``ulakv.kernels.operands``
@@ -741,7 +756,8 @@ def apply(
     # The whole pool's rows (the kernel adds the group's layer offset), moved in the widest vectors
     # they allow (16 B for 656-byte rows); a state's own, worked out once.
     gpu, cpu, unit = st.row_words
-    write = rows is not None
+    write = slots is None
+    new = write or n_new > 0  # new entries, whose rows the caller gives
     W = gpu.shape[-1]
     in_layers = in_layers if in_layers is not None else layers
     # One pointer type for fetched rows whatever the call: a stand-in (int32 scratch, never read: the
@@ -753,7 +769,7 @@ def apply(
     rows_per_tile = tiling.rows
     # A caller's rows or fetched rows that sit off the vectors' alignment (a view at an odd
     # offset) are copied once, so that the pool keeps one variant.
-    if write and not aligned_to(rows, unit):
+    if new and not aligned_to(rows, unit):
         rows = rows.clone()
     if st.CACHE and not aligned_to(fetched, unit):
         fetched = fetched.clone()
@@ -762,6 +778,7 @@ def apply(
     apply_kernel[grid](
         sel_ptr=flat,
         T=T,
+        n_new=T if write else n_new,
         owner_ptr=st.owner[g],
         gpu_ptr=gpu,
         cpu_ptr=cpu,
@@ -769,7 +786,7 @@ def apply(
         gpu_layer_stride=gpu.stride(0),
         cpu_layer_stride=cpu.stride(0),
         n_vec=vectors,
-        rows_ptr=rows if write else scratch.victims,
+        rows_ptr=rows if new else scratch.victims,
         write_layer=write_layer - layers.start,
         slots_ptr=scratch.victims if write else slots,
         first_phase=phases[0],
@@ -794,6 +811,7 @@ def apply(
         ring_ptr=scratch.ring,
         ring_blocks_ptr=scratch.ring_blocks,
         WRITE=write,
+        NEW=new,
         POLICY=st.policy,
         CHUNK=K.CHUNK,
         ROWS=rows_per_tile,
@@ -820,20 +838,22 @@ def apply_reference(
     in_layers: range | None = None,
     fetched: torch.Tensor | None = None,
     fetch_rows: torch.Tensor | None = None,
+    n_new: int = 0,
 ) -> None:
     """Plain-Python twin of :func:`apply`: one phase, one miss, one row, one element at a time."""
     T, G, C, Qcap = flat.numel(), st.gpu_slots, K.CHUNK, st.q_slot.shape[1]
-    write = rows is not None
+    write = slots is None
+    new = T if write else n_new  # the leading elements whose rows the caller gives
     runs = lambda phase: phases[0] <= int(phase) <= phases[1]
     if int(st.ctl[int(K.E_LAST_STATUS)]) != 0:
         if not write and runs(K.PH_EVICT):
-            slots[:T] = -1
+            slots[: T - n_new] = -1
         return
     k_free = int(st.ctl[int(K.E_KFREE)])
     gpu, cpu = st.gpu_data[layers.start : layers.stop], st.cpu_data[layers.start : layers.stop]
     in_layers = in_layers if in_layers is not None else layers
     local = write_layer - layers.start
-    new_rows = rows.view(torch.uint8).reshape(T, -1) if write else None
+    new_rows = rows.view(torch.uint8).reshape(rows.shape[0], -1) if rows is not None else None
     stats, group_row_bytes = st.stats, len(layers) * st.gpu_data.shape[-1]
     moves = scratch.moves[:, : int(st.ctl[int(K.E_MISSES)])].cpu().tolist()
     maybe = lambda x: None if x < 0 else x
@@ -899,8 +919,8 @@ def apply_reference(
                         st.cpu_free[g, hole] = row
                         st.cpu_pos[g, row] = hole
             for pos in chunk:
-                if not write:
-                    slots[pos] = slot_of(pos)
+                if not write and pos >= n_new:
+                    slots[pos - n_new] = slot_of(pos)
                 if st.policy == K.EXACT_LRU:
                     scratch.slot_of[pos] = slot_of(pos)
         if runs(K.PH_IN):
@@ -916,7 +936,7 @@ def apply_reference(
                         row = cpu[layer, src - G].clone()
                     else:
                         row = torch.zeros_like(cpu[layer, 0])
-                    if write and layer == local:
+                    if p < new and layer == local:
                         row = new_rows[p].clone()
                     if v is not None:
                         gpu[layer, v] = row
@@ -942,7 +962,7 @@ def apply_reference(
             bitmaps = PBLRUBits(st, g) if st.policy == K.PBLRU else None
             rnd = int(st.gctl[g, int(K.G_ROUND)])
             for j, _, a, src, v, row, _, push, _, _, copy in misses(c):
-                # its row, now a copy, where the plan put it; or a write's copy row
+                # its row, now a copy, where the plan put it; or a new entry's copy row
                 kept = src - G if src >= G and not st.CACHE else (copy if v is not None else None)
                 if kept is not None:
                     st.cpu_free[g, push] = kept

@@ -44,7 +44,10 @@ E_REFUSALS = tl.constexpr(20)  # calls refused so far (mod 2**32): the count eac
 E_COPIES = tl.constexpr(21)  # a write: its new entries given a clean copy in a plain free CPU row
 E_WRITE_COPIES = tl.constexpr(22)  # 1: writes make copies and write through (``Tiered.write_copies``)
 E_CLEAN_COPIES = tl.constexpr(23)  # a write: its new entries whose copy is the row their clean victim popped
-CTL_WORDS = 24
+# A prepare with new rows (``NewRows``): its new tokens that are not padding, counted by the claim
+# (the planning program reads and clears it; a write's new entries are its misses).
+E_NEW_MISSES = tl.constexpr(24)
+CTL_WORDS = 25
 CTL_BLOCK = tl.constexpr(32)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.
@@ -97,6 +100,8 @@ ST_TOO_LARGE = tl.constexpr(4)
 ST_HOME_LIMIT = tl.constexpr(8)
 # Set by ``admit_addresses`` (engine-owned addresses): more addresses would be live than the pool holds.
 ST_FULL = tl.constexpr(16)
+# A prepare's new token (``NewRows``) that already has a home, or appears twice among the new ones.
+ST_NOT_NEW = tl.constexpr(32)
 
 # The refusal report: one int64 word in host memory the device writes and the host reads without a
 # copy or a wait (``ulakv.deferred``). A refused call stores ``E_REFUSALS << 32 | call << 8 |

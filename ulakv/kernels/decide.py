@@ -18,13 +18,15 @@ order) and writes one column of ``moves`` (``K.MV_*`` words):
   not from the CPU;
 - ``MV_FLAGS``: ``MF_CLEAN`` (its victim's bytes stay: no copy out) and ``MF_REFILL`` (the row it
   popped, unused, takes its victim's copy's place in the free list);
-- ``MV_COPY``: the CPU row a write's miss's rows go to at ``in``, every layer: for a new entry in
+- ``MV_COPY``: the CPU row a new entry's rows go to at ``in``, every layer (a write's misses, or a
+  prepare's new tokens: ``NewRows``, the selection's first ``n_new`` positions): for a new entry in
   a clean victim's slot, the row that victim popped, which takes the victim's copy's place in the
   free list (``MV_PUSH`` is that place); for another new entry with a slot, ``k``-th of those in
   miss order (``k = j - clean_before(j)``) with ``k < E_COPIES``, the plain free row right below
   the call's pops (``popped[pops + k]``) that receives its copy (``MV_PUSH`` is then where that
   row rejoins the free list, the bottom, in that order); for one without a slot, its home
-  (``MV_ROW``); ``-1``: none (write copies off, or plain rows ran out).
+  (``MV_ROW``); ``-1``: none (write copies off, or plain rows ran out). A prepare's misses from the
+  CPU leave their rows at the bottom after those copies.
 
 Apply (``ulakv.kernels.apply``) only carries these out, in every launch of the plan, and
 ``TransferPlan.describe`` reads them back: what the plan shows is what the run does.
@@ -69,12 +71,13 @@ BLOCK_ROWS = tl.constexpr(256)
 # Not specialised: T and the sizes (vary per call or per pool, feed no vectorisable access), the
 # moves' capacity, and the alignment of group g's rows of [groups, ...] state.
 @triton.jit(
-    do_not_specialize=["T", "G", "C", "Qcap", "cap"],
+    do_not_specialize=["T", "n_new", "G", "C", "Qcap", "cap"],
     do_not_specialize_on_alignment=["cpu_pos_ptr", "copy_row_ptr", "copy_slot_ptr"],
 )
 def decide_kernel(
     ctl_ptr,
     T,
+    n_new,
     G,
     C,
     Qcap,
@@ -168,17 +171,19 @@ def decide_kernel(
                 # earlier such misses that do not fill (the classify ranked them in the chunk);
                 # filling, in its clean victim's copy's place.
                 pushes = live & (src >= G)
-                bottom = push_base - before * fill + push_off
+                bottom = push_base + copies - before * fill + push_off
                 bottom = K.wrap(bottom + tl.load(cpu_rank_ptr + p, mask=pushes, other=0), C)  # < 2C
-                # A write's new entry in a clean victim's slot keeps its copy in the row the victim
-                # popped, in the copy's place (evict puts it there); the others with a slot, the
-                # first ``copies`` in miss order, in the plain rows below the call's pops, which
-                # rejoin the list at the bottom, in that order. (A prepare plans no copies.)
-                paired = refill & ((j * 0 + control_word(ctl, K.E_CLEAN_COPIES)) != 0)
+                # A new entry (a write's, or a prepare's new token: positions below n_new) in a
+                # clean victim's slot keeps its copy in the row the victim popped, in the copy's
+                # place (evict puts it there); the others with a slot, the first ``copies`` in miss
+                # order, in the plain rows below the call's pops, which rejoin the list at the
+                # bottom, in that order, before the rows of misses from the CPU (above).
+                is_new = p < n_new
+                paired = refill & is_new & ((j * 0 + control_word(ctl, K.E_CLEAN_COPIES)) != 0)
                 place = tl.load(cpu_pos_ptr + copy, mask=(pushes & fills) | paired, other=0)
                 push = tl.where(pushes, tl.where(fills, place, bottom), -1)
                 k = j - before
-                plain_copy = has_slot & ~counted_clean & (k < copies)
+                plain_copy = has_slot & is_new & ~counted_clean & (k < copies)
                 copy_to = tl.load(popped_ptr + pops + k, mask=plain_copy, other=-1)
                 copy_to = tl.where(paired, cpu_row, copy_to)
                 push = tl.where(plain_copy, K.wrap(push_base + k, C), push)
@@ -196,12 +201,14 @@ def decide_kernel(
             tl.store(out + K.MV_COPY * cap, copy_to, mask=live)
 
 
-def decide(st, g: int, scratch, T: int) -> int:
-    """Launch decide for group ``g``'s plan of ``T`` selection elements: one program a chunk.
-    Returns launches (1)."""
+def decide(st, g: int, scratch, T: int, n_new: int) -> int:
+    """Launch decide for group ``g``'s plan of ``T`` selection elements, whose first ``n_new`` are
+    new entries (a write's ``T``; a prepare's new tokens, else 0): one program a chunk. Returns
+    launches (1)."""
     decide_kernel[(K.cdiv(T, K.CHUNK),)](
         ctl_ptr=st.ctl,
         T=T,
+        n_new=n_new,
         G=st.gpu_slots,
         C=st.cpu_stack_size,
         Qcap=st.q_slot.shape[1],
@@ -231,7 +238,7 @@ def decide(st, g: int, scratch, T: int) -> int:
     return 1
 
 
-def decide_reference(st, g: int, scratch, T: int) -> None:
+def decide_reference(st, g: int, scratch, T: int, n_new: int) -> None:
     """Plain-Python twin of :func:`decide`: the same columns of ``scratch.moves``, from the same
     scratch and state, with tensor operations over every miss at once."""
     ctl = st.ctl.tolist()
@@ -283,12 +290,15 @@ def decide_reference(st, g: int, scratch, T: int) -> None:
         pushes = src >= G
         rank = scratch.cpu_rank.cpu().to(torch.int64)[pos]
         C = st.cpu_stack_size
-        bottom = (ctl[int(K.E_PUSH_BASE)] - before * fill + offsets[chunk, int(K.O_PUSH)] + rank) % C
+        copies = ctl[int(K.E_COPIES)]
+        bottom = ctl[int(K.E_PUSH_BASE)] + copies - before * fill + offsets[chunk, int(K.O_PUSH)] + rank
+        bottom = bottom % C
         filled = st.cpu_pos[g].cpu().to(torch.int64)[copy.clamp(min=0)]
         push = torch.where(pushes, torch.where(fills, filled, bottom), -1)
-        paired = refill & bool(ctl[int(K.E_CLEAN_COPIES)])
+        is_new = pos < n_new
+        paired = refill & is_new & bool(ctl[int(K.E_CLEAN_COPIES)])
         k = j - before
-        copied = has_slot & ~counted_clean & (k < ctl[int(K.E_COPIES)])
+        copied = has_slot & is_new & ~counted_clean & (k < copies)
         copy_to = torch.where(copied, popped[(pops + k).clamp(max=popped.numel() - 1)], -1)
         copy_to = torch.where(paired, cpu_row, copy_to)
         copy_to = torch.where(has_slot, copy_to, cpu_row)

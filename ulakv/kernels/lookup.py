@@ -73,12 +73,13 @@ from .victims import (
 # binary); sel_ptr and map_ptr alignment (the caller's view; row g of mapping). claim_ptr and ctl_ptr
 # are whole-pool tensors, allocated once: their alignment never changes. WRITE, CHUNK: constexprs.
 # (Before: 10 claim variants in tests/test_compile_variants.py's serving loop, about 4 s each on a GPU.)
-@triton.jit(do_not_specialize=["T", "N", "G"], do_not_specialize_on_alignment=["sel_ptr", "map_ptr"])
+@triton.jit(do_not_specialize=["T", "N", "G", "n_new"], do_not_specialize_on_alignment=["sel_ptr", "map_ptr"])
 def claim_kernel(
     sel_ptr,
     T,
     N,
     G,
+    n_new,
     map_ptr,
     claim_ptr,
     mark_ptr,
@@ -123,6 +124,16 @@ def claim_kernel(
     if WRITE:
         if tl.sum((ok & ~arrived_first).to(tl.int32), axis=0) > 0:
             tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_DUPLICATE, sem="relaxed")
+    elif n_new > 0:
+        # A prepare's new tokens (positions below n_new) must have no home and appear once among
+        # themselves (the selection may repeat them). Of two new positions with one address, the
+        # later to claim finds the other's key or a higher one, which is a new position's too.
+        new = ok & (pos < n_new)
+        repeated = ((previous >> 32) == epoch) & (K.POS_MASK - (previous & K.POS_MASK) < n_new)
+        if tl.sum((new & ((home != K.M_UNHOMED) | repeated)).to(tl.int32), axis=0) > 0:
+            tl.atomic_or(ctl_ptr + K.E_STATUS, K.ST_NOT_NEW, sem="relaxed")
+        n = tl.sum(new.to(tl.int64), axis=0)
+        tl.atomic_add(ctl_ptr + K.E_NEW_MISSES, n, mask=n > 0, sem="relaxed")
 
 
 # Not specialised: every int (T varies each call, group_row_bytes with the short last group, the rest
@@ -135,6 +146,7 @@ def claim_kernel(
         "T",
         "N",
         "G",
+        "n_new",
         "BW",
         "n_levels",
         "R",
@@ -164,6 +176,7 @@ def classify_kernel(
     T,
     N,
     G,
+    n_new,
     map_ptr,
     claim_ptr,
     mark_ptr,
@@ -306,10 +319,14 @@ def classify_kernel(
         cm = inb & (j < n_cpu)
         # (top - j lies in [bottom, top] for the rows copied: one lap of the ring at most)
         tl.store(popped_ptr + j, tl.load(cpu_free_ptr + K.wrap(top - j, C), mask=cm, other=0), mask=cm)
-        if WRITE:  # a write's copies come from the T rows below its pops (at most T): 2T in all
-            cm = inb & (T + j < n_cpu)
-            row = tl.load(cpu_free_ptr + K.wrap(top - T - j, C), mask=cm, other=0)
-            tl.store(popped_ptr + T + j, row, mask=cm)
+        # New entries' copies come from the rows below the pops, at most one a new entry: a write's
+        # T (2T rows in all), a prepare's n_new new tokens.
+        extra = n_new
+        if WRITE:
+            extra = T
+        cm = inb & (j < extra) & (T + j < n_cpu)
+        row = tl.load(cpu_free_ptr + K.wrap(top - T - j, C), mask=cm, other=0)
+        tl.store(popped_ptr + T + j, row, mask=cm)
     # A candidate's copy below the call's pops (above) is safe from every pop, so its eviction is
     # clean whatever apply pops.
 
@@ -483,11 +500,21 @@ def classify_programs(st, T: int) -> int:
     return max(K.cdiv(T, K.CHUNK), min(K.cdiv(blocks, K.CHUNK), program_slots(st.ctl.device)))
 
 
-def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int) -> int:
+def lookup_and_plan(
+    st,
+    g: int,
+    sel,
+    scratch,
+    write: bool,
+    group_row_bytes: int,
+    layer_row_bytes: int,
+    n_new: int = 0,
+) -> int:
     """Launch claim, then classify + plan, over the flat selection ``sel`` for group ``g`` of
-    ``st`` (a TieredState). ``group_row_bytes`` and ``layer_row_bytes`` price the moves in the
-    stats; under PB-LRU a prepare then ends its round (``round_end``); last, ``decide`` writes each
-    miss's moves. Returns the number of launches (3, or 4 with a round end)."""
+    ``st`` (a TieredState); a prepare's first ``n_new`` elements are new tokens (``NewRows``).
+    ``group_row_bytes`` and ``layer_row_bytes`` price the moves in the stats; under PB-LRU a
+    prepare then ends its round (``round_end``); last, ``decide`` writes each miss's moves.
+    Returns the number of launches (3, or 4 with a round end)."""
     T = sel.numel()
     grid = (K.cdiv(T, K.CHUNK),)
     mapping, claim, mark, ctl, gpu_slots = st.mapping[g], st.claim, st.mark, st.ctl, st.gpu_slots
@@ -497,6 +524,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         T=T,
         N=N,
         G=gpu_slots,
+        n_new=n_new,
         map_ptr=mapping,
         claim_ptr=claim,
         mark_ptr=mark,
@@ -510,6 +538,7 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
         sel_ptr=sel,
         T=T,
         N=N,
+        n_new=n_new,
         claim_ptr=claim,
         mark_ptr=mark,
         gpu_free_ptr=st.gpu_free[g],
@@ -528,22 +557,29 @@ def lookup_and_plan(st, g: int, sel, scratch, write: bool, group_row_bytes: int,
     launches = 2
     if st.policy == K.PBLRU and not write:  # a prepare ended its round: the bucket to reuse goes cold
         launches += round_end.end_round(st, g)
-    return launches + decide.decide(st, g, scratch, T)
+    return launches + decide.decide(st, g, scratch, T, T if write else n_new)
 
 
 def lookup_and_plan_reference(
-    st, g: int, sel, scratch, write: bool, group_row_bytes: int, layer_row_bytes: int
+    st,
+    g: int,
+    sel,
+    scratch,
+    write: bool,
+    group_row_bytes: int,
+    layer_row_bytes: int,
+    n_new: int = 0,
 ) -> None:
     """Plain-Python twin of :func:`lookup_and_plan`: the two launches, then the victims program
     (and PB-LRU's round end after a prepare), then each miss's moves."""
-    claim_and_classify_reference(st, g, sel, scratch, write)
+    claim_and_classify_reference(st, g, sel, scratch, write, n_new)
     victims_reference(st, g, scratch, sel.numel(), write, group_row_bytes, layer_row_bytes)
     if st.policy == K.PBLRU and not write:
         round_end.end_round_reference(st, g)
-    decide.decide_reference(st, g, scratch, sel.numel())
+    decide.decide_reference(st, g, scratch, sel.numel(), sel.numel() if write else n_new)
 
 
-def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
+def claim_and_classify_reference(st, g: int, sel, scratch, write: bool, n_new: int = 0) -> None:
     """Plain-Python twin of the ``claim_kernel`` and ``classify_kernel`` launches (victims aside):
     same inputs, same state and scratch out, element by element."""
     mapping, claim, mark, ctl = st.mapping[g], st.claim, st.mark, st.ctl
@@ -563,6 +599,10 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
             mark[homes[a]] = epoch
         if a in first_pos and write:
             status |= int(K.ST_DUPLICATE)
+        if pos < n_new and not write:  # a new token: no home yet, once among the new ones
+            if homes[a] != int(K.M_UNHOMED) or first_pos.get(a, n_new) < n_new:
+                status |= int(K.ST_NOT_NEW)
+            ctl[int(K.E_NEW_MISSES)] += 1
         first_pos.setdefault(a, pos)
         claim[a] = max(int(claim[a]), (epoch << 32) | (K.POS_MASK - pos))
     ctl[int(K.E_DISTINCT)] += len(first_pos)
@@ -617,7 +657,8 @@ def claim_and_classify_reference(st, g: int, sel, scratch, write: bool) -> None:
     k = min(T, n_free)
     scratch.victims[:k] = st.gpu_free[g, :n_free].flip(0)[:k]
     if not st.CACHE:
-        free_rows = st.free_cpu_rows(g).flip(0)[: min((2 if write else 1) * T, n_cpu)]  # top first
+        rows = T + (T if write else n_new)  # the pops, and the rows for new entries' copies below
+        free_rows = st.free_cpu_rows(g).flip(0)[: min(rows, n_cpu)]  # top first
         scratch.popped[: free_rows.numel()] = free_rows.to(scratch.popped.device)
     pops = need_pops(st, g)
 

@@ -45,7 +45,9 @@ segments.
    popped (which takes the victim's copy's place in the list), the others in miss order
    (``E_COPIES`` of them) in the plain rows right below its pops (``G_CPU_PLAIN``: the run on top
    of the free list that holds no copy), rows that go to the bottom of the list, so a victim
-   counted clean still finds its copy intact.
+   counted clean still finds its copy intact. A prepare with new rows (``NewRows``) does the same
+   for its new tokens, which lead the selection (its first ``E_NEW_MISSES`` misses); its other
+   misses' rows join the bottom after those copies.
 4. Exact LRU, a compacting call: running totals of the ring blocks' live pairs, and the compacted
    ring's tail and round tail (apply's workers copy the pairs into place).
 5. Where the call's LRU appends start (``E_QUEUE_AT``). Each chunk's offsets (where its misses
@@ -536,6 +538,12 @@ def victims_program(
             _, last_start, last_clean, last_at = find_last_segment(
                 got - 1, seg_ptr, seg_blocks_ptr, cand_blocks, BLOCK
             )
+        # New entries (a write's misses, a prepare's new tokens: the first misses) whose slots
+        # are victims' past the free slots, and how many of those are clean.
+        NM = M
+        if not WRITE:
+            NM = control_word(ctl, K.E_NEW_MISSES)
+        new_got = tl.minimum(tl.maximum(NM - k_free, 0), got)
         # The victims counted clean (their copies lie below every pop of the call). A prepare whose
         # misses all come from the CPU fills: a clean victim pops no row, and the row its miss
         # leaves takes its copy's place in the free list (apply). Otherwise (a write, or a prepare
@@ -549,6 +557,15 @@ def victims_program(
             if got > 0:
                 bit, in_segment = _unpacked_clean(tl.load(cand_ptr + last_at + (got - 1 - last_start)))
                 n_clean = last_clean + in_segment + bit
+        new_clean = n_clean
+        if not CACHE:
+            if (new_got > 0) & (new_got < got):  # a prepare's new tokens, then its selection's misses
+                _, start, clean_before, at = find_last_segment(
+                    new_got - 1, seg_ptr, seg_blocks_ptr, cand_blocks, BLOCK
+                )
+                bit, in_segment = _unpacked_clean(tl.load(cand_ptr + at + (new_got - 1 - start)))
+                new_clean = clean_before + in_segment + bit
+            new_clean = tl.where(new_got > 0, new_clean, 0)
         if POLICY == K.EXACT_LRU:
             new_head = head
             if want > 0:
@@ -630,19 +647,18 @@ def victims_program(
         pushes = push_run - n_clean * fill
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
-        # A write gives its new entries with a GPU slot a copy each: one in a clean victim's slot
-        # in the row that victim popped (``n_clean`` of them), the others, in miss order, in the
-        # plain rows right below its pops (never a row that holds a copy, nor one the call pops),
-        # which go to the bottom: the free count is unchanged, the plain run shrinks by the pops
-        # and those copies.
+        # New entries with a GPU slot (a write's, a prepare's new tokens) get a copy each: one in a
+        # clean victim's slot in the row that victim popped (``new_clean`` of them), the others, in
+        # miss order, in the plain rows right below the pops (never a row that holds a copy, nor
+        # one the call pops), which go to the bottom before the call's swapped-in rows: the free
+        # count is unchanged, the plain run shrinks by the pops and those copies.
         plain = tl.maximum(control_word(gctl, K.G_CPU_PLAIN) - pops, 0)
         copies = tl.zeros((), dtype=tl.int64)
         clean_copies = tl.zeros((), dtype=tl.int64)
-        if WRITE:
-            if not CACHE:
-                if control_word(ctl, K.E_WRITE_COPIES) != 0:
-                    copies = tl.minimum(V - n_clean, plain)
-                    clean_copies = n_clean
+        if not CACHE:
+            if control_word(ctl, K.E_WRITE_COPIES) != 0:
+                copies = tl.minimum(tl.minimum(V, NM) - new_clean, plain)
+                clean_copies = new_clean
         plain -= copies
         # (pushes + copies <= C: rows that exist; a call pushes, or a write copies, never both)
         bottom = K.wrap(control_word(gctl, K.G_CPU_BOT) - pushes - copies, C)
@@ -676,17 +692,19 @@ def victims_program(
         sw = tl.arange(0, K.STATS_WORDS)
         delta = tl.where(sw == K.S_VICTIMS, V - k_free, tl.where(sw == K.S_SEARCH_READS, scanned, 0))
         delta = tl.where(sw == K.S_ROUND_READS, round_reads, delta)
+        # New entries' copies, every layer of the group (the written row, zeros for the others)
+        copied = (copies + clean_copies) * group_row_bytes
         if WRITE:
             cpu_rows = CF + (M - V)  # written in place on the CPU, or new entries homed there
-            # ... and the copies, every layer of the group (the written row, zeros for the others)
-            written = cpu_rows * layer_row_bytes + (copies + clean_copies) * group_row_bytes
-            delta = tl.where(sw == K.S_BYTES_OUT, written, delta)
+            delta = tl.where(sw == K.S_BYTES_OUT, cpu_rows * layer_row_bytes + copied, delta)
         else:
             fetched = MC  # a tier swaps in its CPU-resident misses
             if CACHE:  # a buffer fetches every miss and drops its victims
                 fetched = M
-            delta = tl.where(sw == K.S_HITS, H, tl.where(sw == K.S_MISSES, M, delta))
+            # (a prepare's new tokens are written, not missed)
+            delta = tl.where(sw == K.S_HITS, H, tl.where(sw == K.S_MISSES, M - NM, delta))
             delta = tl.where(sw == K.S_BYTES_IN, fetched * group_row_bytes, delta)
+            delta = tl.where(sw == K.S_BYTES_OUT, copied, delta)
         tl.store(stats_ptr + sw, tl.load(stats_ptr + sw) + delta, mask=delta != 0)
 
     # -- always: publish the status, clear the accumulators, advance the epoch (one store) ------
@@ -702,7 +720,7 @@ def victims_program(
         cw == K.E_LAST_STATUS, status, tl.where(cw == K.E_PENDING, control_word(ctl, K.E_PENDING) | status, 0)
     )
     done = tl.where(cw == K.E_EPOCH, tl.where(wrap, 1, epoch + 1), done)
-    cleared = (cw == K.E_STATUS) | (cw == K.E_DISTINCT) | (cw == K.E_NEED)
+    cleared = (cw == K.E_STATUS) | (cw == K.E_DISTINCT) | (cw == K.E_NEED) | (cw == K.E_NEW_MISSES)
     published = (cw == K.E_LAST_STATUS) | (cw == K.E_PENDING) | (cw == K.E_EPOCH)
     tl.store(ctl_ptr + cw, done, mask=cleared | published)
     # The host learns of a refusal from its report, in host memory: no copy, no event (``deferred``).
@@ -822,9 +840,12 @@ def victims_reference(
         plain = max(int(gctl[int(K.G_CPU_PLAIN)]) - pops, 0)
         # A write's copies: a clean victim's new entry in the row the victim popped, the others
         # in plain rows below the pops while they last.
-        copying = write and not st.CACHE and int(ctl[int(K.E_WRITE_COPIES)])
-        copies = min(V - n_clean, plain) if copying else 0
-        clean_copies = n_clean if copying else 0
+        # New entries: a write's misses, or a prepare's new tokens (its first misses).
+        NM = M if write else int(ctl[int(K.E_NEW_MISSES)])
+        new_clean = sum(clean[: max(0, min(NM - k_free, V - k_free))])
+        copying = not st.CACHE and int(ctl[int(K.E_WRITE_COPIES)])
+        copies = min(min(V, NM) - new_clean, plain) if copying else 0
+        clean_copies = new_clean if copying else 0
         plain -= copies
         bottom = (int(gctl[int(K.G_CPU_BOT)]) - pushes - copies) % st.cpu_stack_size
         gctl[int(K.G_HEAD)] = head
@@ -857,20 +878,19 @@ def victims_reference(
         assert before.tolist() == [sum(clean[:i]) for i in range(len(clean))]
         ctl[int(K.E_PUSH_BASE)] = bottom
         evicted = V - k_free
+        stats[int(K.S_BYTES_OUT)] += (copies + clean_copies) * group_row_bytes
         if write:
-            stats[int(K.S_BYTES_OUT)] += (CF + M - V) * layer_row_bytes + (
-                copies + clean_copies
-            ) * group_row_bytes
+            stats[int(K.S_BYTES_OUT)] += (CF + M - V) * layer_row_bytes
         else:
             stats[int(K.S_HITS)] += H
-            stats[int(K.S_MISSES)] += M
+            stats[int(K.S_MISSES)] += M - NM
             stats[int(K.S_BYTES_IN)] += (M if st.CACHE else MC) * group_row_bytes
         stats[int(K.S_VICTIMS)] += evicted
         stats[int(K.S_SEARCH_READS)] += scanned
         stats[int(K.S_ROUND_READS)] += round_reads
     ctl[int(K.E_LAST_STATUS)] = status
     ctl[int(K.E_STATUS)] = 0
-    ctl[int(K.E_DISTINCT)] = ctl[int(K.E_NEED)] = 0
+    ctl[int(K.E_DISTINCT)] = ctl[int(K.E_NEED)] = ctl[int(K.E_NEW_MISSES)] = 0
     ctl[int(K.E_PENDING)] |= status
     K.report_refusal_reference(ctl, st.report, status, int(K.CALL_WRITE if write else K.CALL_PREPARE))
     if epoch + 1 >= K.EPOCH_LIMIT:

@@ -18,7 +18,7 @@ from ..address_space import UNHOMED, EngineAddresses, LogicalAllocator, Sequence
 from ..config import PoolConfig, Replicated
 from ..deferred import DeferredStatus
 from ..errors import InvalidAddressError, InvalidInputError, InvariantError, UlakvError
-from ..frame import PoolFrame, Selection, debug_enabled, refusal, validates
+from ..frame import NewRows, PoolFrame, Selection, debug_enabled, refusal, validates
 from ..invariants import PlanSnapshot, check_invariants, check_plan, snapshot_plan
 from ..kernels import common as K
 from ..kernels import engine_addresses as engine_mod
@@ -248,10 +248,12 @@ class TieredPool(PoolFrame):
             self._state.mapping[:, addresses_on(taken, self.device)] = UNHOMED
 
     # -- the hot path ----------------------------------------------------------------------------
-    def prepare(self, group: int, topk: torch.Tensor) -> Selection:
+    def prepare(self, group: int, topk: torch.Tensor, *, new: NewRows | None = None) -> Selection:
         """Make every address of ``topk`` (``[B, K]`` or ``[B, Q, K]``, -1 = padding) GPU-resident
-        and return their slots. Starts a new round for ``group``."""
-        plan = self.plan(group, topk)
+        and return their slots. Starts a new round for ``group``. ``new`` (a layer of the group):
+        the step's new tokens' rows, written in the same plan (``write`` and ``prepare`` in one
+        call: the new tokens' homes and the selection's misses decided together)."""
+        plan = self.plan(group, topk, new=new)
         if plan is not None:
             self.run(plan)
             slots = plan.slots
@@ -259,14 +261,24 @@ class TieredPool(PoolFrame):
             slots = torch.empty(0, dtype=torch.int32, device=self.device)
         return Selection(group, slots.view(topk.shape))
 
-    def plan(self, group: int, topk: torch.Tensor, out: torch.Tensor | None = None) -> TransferPlan | None:
+    def plan(
+        self,
+        group: int,
+        topk: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        new: NewRows | None = None,
+    ) -> TransferPlan | None:
         """The first half of ``prepare``: decide every move ``topk`` needs, on the device, and
         move nothing (the lookup and plan kernels). ``out`` (int32, at least ``topk.numel()``
         elements) receives the slots in its first ``topk.numel()`` elements, in row-major order, when
         the plan runs, so a captured step writes to a fixed buffer (a packed ``out`` directly; any
         other view by one copy after the ``evict`` phase). ``None`` for an empty selection. Run the
         plan with :meth:`run`. ``topk``, ``out`` (and a write's ``rows``) may be any view of any
-        memory: offsets, strides and alignment are the pool's concern (``ulakv.kernels.operands``)."""
+        memory: offsets, strides and alignment are the pool's concern (``ulakv.kernels.operands``).
+        ``new``: new tokens' rows planned with the selection (see :meth:`prepare`); their addresses
+        must have no home yet and appear once among themselves (the selection may name them),
+        else the call is refused like a write's duplicate, changing nothing."""
         self._check_group(group)
         self._need_kernels("prepare")
         if not isinstance(topk, torch.Tensor):
@@ -284,18 +296,42 @@ class TieredPool(PoolFrame):
             if torch._debug_has_internal_overlap(out) == 1:  # 1: certainly (an expanded tensor)
                 raise InvalidInputError("prepare: out's elements share memory (expanded?); a slot needs one")
             self._check_device("prepare: out", out)
+        if new is not None:
+            self._check_new(group, new)
         self._raise_refused()
         self._finish_pending()
+        if new is not None and new.addresses.numel() == 0:
+            new = None
         if topk.numel() == 0:
+            if new is not None:  # the rows still go in: a write of them
+                self.write(new.layer, new.addresses, new.rows)
             return None
-        return self._plan("prepare", group, topk, out=out)
+        return self._plan("prepare", group, topk, out=out, new=new)
+
+    def _check_new(self, group: int, new: NewRows) -> None:
+        """A prepare's new rows: a ``NewRows`` of one of the group's layers, checked as a write's."""
+        if not isinstance(new, NewRows):
+            raise InvalidInputError(f"prepare: new must be a NewRows, got {type(new).__name__}")
+        self._check_write(new.layer, new.addresses, new.rows)
+        if self.config.group_of(new.layer) != group:
+            raise InvalidInputError(
+                f"prepare: new rows are of layer {new.layer}, not a layer of group {group} "
+                f"({self.config.group_layers(group)})"
+            )
 
     def _plan(self, what: str, group: int, selection: torch.Tensor, **kwargs) -> TransferPlan:
         """Plan a prepare or (with ``rows``) a write and make it the pending plan. Under
         ``ULAKV_DEBUG=1`` the group's state is snapshotted first; with debug off this costs nothing."""
         snapshot = None
         if self._debug:
-            snapshot = snapshot_plan(self._state, group, selection, write=kwargs.get("rows") is not None)
+            new = kwargs.get("new")
+            snapshot = snapshot_plan(
+                self._state,
+                group,
+                selection,
+                write=kwargs.get("rows") is not None,
+                new=None if new is None else new.addresses,
+            )
         plan, launches = self._layout.plan(group, selection, **kwargs)
         self._launches += launches
         self._raise_if_failed(what, plan)

@@ -18,6 +18,7 @@ import torch
 from .. import host_memory
 from ..config import ExactLRU, PoolConfig
 from ..errors import InvalidInputError, UlakvError
+from ..frame import NewRows
 from ..kernels import apply as apply_mod
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
@@ -350,6 +351,9 @@ class CallScratch(_Tensors):
     ring: torch.Tensor  # int64 [ring pairs]: a compacting call's live LRU ring pairs, block by block
     ring_blocks: torch.Tensor  # int64 [lists + 1, 2]: each ring block's live pairs, and those before it
     moves: torch.Tensor  # int32 [MOVE_WORDS, cap]: what the plan decided for each miss (``kernels.decide``)
+    # int64 [cap]: a prepare's elements with new rows: the new tokens, then the selection (one
+    # buffer of the context's, so that a captured step's kernels read it in place)
+    indices: torch.Tensor
 
     @classmethod
     def allocate(
@@ -400,6 +404,7 @@ class CallScratch(_Tensors):
             ring=torch.empty(max(ring_pairs, 1), dtype=torch.int64, device=device),
             ring_blocks=torch.empty((lists + 1, 2), dtype=torch.int64, device=device),
             moves=torch.empty((K.MOVE_WORDS, capacity), **i32),
+            indices=torch.empty(capacity, dtype=torch.int64, device=device),
         )
 
     @property
@@ -534,30 +539,44 @@ class TieredLayout:
         rows: torch.Tensor | None = None,
         layer: int = 0,
         out: torch.Tensor | None = None,
+        new: NewRows | None = None,
     ) -> tuple[TransferPlan, int]:
         """Plan one ``prepare`` (``rows is None``) or ``write`` of the addresses ``selection`` (int32
         or int64, any shape, -1 padding): the lookup and plan kernels, no data moved. ``rows`` (uint8
         ``[n, bytes_per_layer]``) and ``out`` (int32, at least ``n`` elements: a prepare's slots, in
         row-major order) may be any view of any memory (see ``ulakv.kernels.operands``); ``out`` is
-        allocated when ``None``. Returns the plan and the launches (2). No host sync."""
+        allocated when ``None``. A prepare's ``new`` rows (checked by the pool) are planned with it:
+        its elements are the new tokens, then the selection (``TransferPlan.n_new``). Returns the
+        plan and the launches. No host sync."""
         st, cfg, kernels = self.context(group), self.config, self.kernels
         write = rows is not None
-        flat = operands.readable_indices(selection)
-        if out is not None:  # apply reads the selection after its evict phase has written out
-            flat = operands.detached(flat, out)
-        if write:  # rows that view the very rows this write may move
+        n_new = 0 if new is None else new.addresses.numel()
+        if n_new:
+            # One buffer of elements, the new tokens first (two copies, into the call scratch).
+            T = n_new + selection.numel()
+            scratch = self.scratch(T, group)
+            flat = scratch.indices[:T]
+            flat[:n_new].copy_(new.addresses.reshape(-1))
+            flat[n_new:].copy_(selection.reshape(-1))
+            rows, layer = new.rows, new.layer
+        else:
+            flat = operands.readable_indices(selection)
+            if out is not None:  # apply reads the selection after its evict phase has written out
+                flat = operands.detached(flat, out)
+            T = flat.numel()
+            scratch = self.scratch(T, group)
+        if rows is not None:  # rows that view the very rows this call may move
             rows = operands.detached(operands.readable_rows(rows), st.gpu_data, st.cpu_data)
-        T = flat.numel()
-        scratch = self.scratch(T, group)
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
-        launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width)
+        launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width, n_new)
+        launches += 2 if n_new else 0
         slots, fill_later = None, None
         if not write:
             if out is not None and operands.writable_in_place(out):
-                slots = out.view(-1)[:T]
+                slots = out.view(-1)[: T - n_new]
             else:
-                slots, fill_later = torch.empty(T, dtype=torch.int32, device=flat.device), out
+                slots, fill_later = torch.empty(T - n_new, dtype=torch.int32, device=flat.device), out
         plan = TransferPlan(
             group=group,
             layers=layers,
@@ -568,6 +587,7 @@ class TieredLayout:
             write_layer=layer,
             ctl=st.ctl,
             out=fill_later,
+            n_new=n_new,
         )
         return plan, launches
 
@@ -610,6 +630,7 @@ class TieredLayout:
             fetch_rows=fetch_rows
             if fetch_rows is not None or fetched is None
             else torch.arange(fetched.shape[0], device=fetched.device),
+            n_new=plan.n_new,
         )
         if start <= Phase.IN <= until:
             plan.layers_in.update(in_layers)
