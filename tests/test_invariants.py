@@ -220,15 +220,16 @@ def corrupting(choose) -> Kernels:
     The group's CPU copies are forgotten first (a state without copies is a valid one): a clean
     victim pops no row, so planting another slot in its place would unbalance the free list."""
 
-    def plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes) -> int:
+    def plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, n_new=0) -> int:
         st.copy_row[g].fill_(-1)
         stamps = st.stamp[g].clone()
-        launches = REFERENCE.plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes)
+        launches = REFERENCE.plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, n_new)
         k_free, V = int(st.ctl[int(K.E_KFREE)]), int(st.ctl[int(K.E_VICTIMS)])
         assert k_free < V, "the scenario must evict"
         j, new = choose(st, g, scratch, sel.numel(), k_free, V)
         old = plant_victim(scratch, st.ctl.tolist(), j, new)
-        decide_reference(st, g, scratch, sel.numel())  # the plan's moves follow its lists
+        # the plan's moves follow its lists
+        decide_reference(st, g, scratch, sel.numel(), sel.numel() if write else n_new)
         if st.policy == K.EXACT_LRU:
             keep_in_lru_order(st, g, old)
         else:
@@ -347,11 +348,11 @@ def test_planted_defect_in_a_write(debug, policy) -> None:
     check_invariants(pool._state, pool._allocator)
 
 
-def hits_not_touched(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes) -> int:
+def hits_not_touched(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, n_new=0) -> int:
     """PB-LRU recency upkeep broken: the reference plan, then this call's hits back in the buckets
     they came from (their stamps and bits agree, so the state stays consistent)."""
     stamps = st.stamp[g].clone()
-    launches = REFERENCE.plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes)
+    launches = REFERENCE.plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, n_new)
     bits, cur = PBLRUBits(st, g), int(st.gctl[g, int(K.G_ROUND)])
     for s in plan_hits(scratch, sel.numel()):
         bits.sets[cur % bits.R].discard(s)

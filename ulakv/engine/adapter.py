@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidInputError
+from ..frame import NewRows
 from ..layouts.tiered import TieredPool
 from ..transfer import Phase, TransferPlan
 
@@ -95,7 +96,9 @@ class SparseKV:
         self._prefetch = self._cuda if prefetch is None else bool(prefetch)
         # One slots buffer per group: a group's slots stay valid while later groups prepare.
         self._slots = torch.full((pool.num_groups, self.max_elements), -1, dtype=torch.int32, device=device)
-        pool.reserve_scratch(self.max_elements)  # sized once; a larger call (prefill) gets its own
+        # Sized once, for a selection and a new token a query position (``prepare(..., new=)``); a
+        # larger call (prefill) gets its own.
+        pool.reserve_scratch(self.max_elements + max_batch * max_queries)
         self._contexts = pool.call_contexts
         self._streams = (
             [torch.cuda.Stream(device) for _ in range(self._contexts)]
@@ -104,9 +107,12 @@ class SparseKV:
         )
         self._done: list[torch.cuda.Event | None] = [None] * self._contexts  # each stream's last event
 
-    def prepare(self, group: int, topk: torch.Tensor) -> GroupStep:
+    def prepare(self, group: int, topk: torch.Tensor, *, new: NewRows | None = None) -> GroupStep:
         """Plan ``group``'s moves for the selection ``topk`` (``[B, K]`` or ``[B, Q, K]``, -1
-        padding) and start them; returns the step's slots and per-layer readiness."""
+        padding) and start them; returns the step's slots and per-layer readiness. ``new``: the
+        step's new tokens' rows of one of the group's layers, planned with the selection (one
+        plan, where :meth:`write` then ``prepare`` plan twice); their rows are in place when the
+        layer's are."""
         shape = tuple(topk.shape) if isinstance(topk, torch.Tensor) else None
         if shape is not None and topk.dim() in (2, 3):
             B, K = shape[0], shape[-1]
@@ -118,8 +124,9 @@ class SparseKV:
                 )
         pool = self.pool
         out = self._slots[group] if 0 <= group < pool.num_groups else self._slots[0]
-        with self._on_stream(group, topk) as stream:
-            plan = pool.plan(group, topk, out=out)
+        extra = () if new is None else (new.addresses, new.rows)
+        with self._on_stream(group, topk, *extra) as stream:
+            plan = pool.plan(group, topk, out=out, new=new)
             layers = pool.group_layers(group)
             step = GroupStep(group, layers, out[: topk.numel()].view(shape), plan)
             if plan is None:

@@ -743,8 +743,8 @@ def apply(
 ) -> int:
     """Launch apply for group ``g`` (layers ``layers``): the phases ``phases`` (first, last), moving
     the group's layers ``in_layers`` (default all) in the ``in`` phase. A write has ``rows``
-    (packed ``[T, W]``) and no ``slots``; a prepare has ``slots`` (int32, packed) for its elements
-    past its first ``n_new``, new tokens whose rows are ``rows[:n_new]`` (``NewRows``; otherwise no
+    (packed ``[T, W]``); a prepare has ``slots`` (int32, packed) for its elements past its first
+    ``n_new``, new tokens whose rows are ``rows`` (``[n_new, W]``: ``NewRows``; otherwise no
     ``rows``). A buffer (``st.CACHE``)
     takes its misses' rows from ``fetched`` (packed ``[rows, layers, W]``; miss ``j``'s is row
     ``fetch_rows[j]``, int64) and drops its victims. Rows are in the unit ``as_words`` gives the
@@ -756,8 +756,8 @@ def apply(
     # The whole pool's rows (the kernel adds the group's layer offset), moved in the widest vectors
     # they allow (16 B for 656-byte rows); a state's own, worked out once.
     gpu, cpu, unit = st.row_words
-    write = slots is None
-    new = write or n_new > 0  # new entries, whose rows the caller gives
+    write = rows is not None and n_new == 0
+    new = rows is not None  # new entries, whose rows the caller gives: a write's, or n_new of them
     W = gpu.shape[-1]
     in_layers = in_layers if in_layers is not None else layers
     # One pointer type for fetched rows whatever the call: a stand-in (int32 scratch, never read: the
@@ -842,7 +842,7 @@ def apply_reference(
 ) -> None:
     """Plain-Python twin of :func:`apply`: one phase, one miss, one row, one element at a time."""
     T, G, C, Qcap = flat.numel(), st.gpu_slots, K.CHUNK, st.q_slot.shape[1]
-    write = slots is None
+    write = rows is not None and n_new == 0
     new = T if write else n_new  # the leading elements whose rows the caller gives
     runs = lambda phase: phases[0] <= int(phase) <= phases[1]
     if int(st.ctl[int(K.E_LAST_STATUS)]) != 0:
