@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 from helpers import RowModel, addr_tensor, assert_reads, assert_same_state, expect_rejected, fill, random_rows
-from test_clean_evictions import POLICIES, POLICY_IDS, copies, counts, deltas, row_bytes
+from test_clean_evictions import POLICIES, POLICY_IDS, copies, deltas, row_bytes
 from test_clean_evictions import tiered as tiered_pool
 
 from ulakv import ExactLRU, NewRows
@@ -241,7 +241,7 @@ BAD_NEW = {
 
 @pytest.mark.parametrize("case", list(BAD_NEW), ids=list(BAD_NEW))
 def test_a_refused_one_plan_changes_nothing(case) -> None:
-    pool, model, seq, addrs = loaded()
+    pool, _model, seq, addrs = loaded()
     new = pool.extend(seq, 2)
     bad = BAD_NEW[case](addrs, new)
     call = lambda: pool.prepare(
@@ -256,7 +256,7 @@ def test_a_refused_one_plan_changes_nothing(case) -> None:
 def test_a_refused_one_plan_is_raised_by_the_next_call_when_not_validating() -> None:
     """Validation off (the CUDA default): the refusal is reported in the report word, nothing
     changed, and the next call raises it, naming a prepare."""
-    pool, model, seq, addrs = loaded()
+    pool, _model, seq, addrs = loaded()
     pool._validate = False
     new = pool.extend(seq, 2)
     before = pool.state_dict()
@@ -321,7 +321,7 @@ def test_new_rows_with_an_empty_selection_are_written() -> None:
 
 
 def test_the_refusal_names_what_was_not_new() -> None:
-    pool, model, seq, addrs = loaded()
+    pool, _model, _seq, addrs = loaded()
     with pytest.raises(InvalidAddressError, match="new row"):
         pool.prepare(
             0,
