@@ -19,6 +19,7 @@ from ulakv import (
     ExactLRU,
     InvalidAddressError,
     InvalidInputError,
+    NewRows,
     Pool,
     PoolConfig,
     Tiered,
@@ -130,6 +131,72 @@ def test_steps_through_the_adapter_never_sync(policy) -> None:
                     read.append((layer, sel, pool.gpu_buffer(layer)[slots.clamp(min=0).long()].clone()))
     pool.check()
     assert pool.stats()["victims"] > 0  # under pressure: entries left the GPU and came back
+    for layer, sel, got in read:
+        for a, row in zip(sel.reshape(-1).tolist(), got.reshape(-1, WIDTH), strict=True):
+            if a >= 0:
+                assert torch.equal(row, expected[(layer, a)])
+    pool.check_invariants()
+
+
+@skip_under_debug
+@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru4"])
+def test_a_one_layer_groups_step_is_one_plan(policy) -> None:
+    """SGLang's shape, one layer a group: each group-step hands its new tokens' rows to ``prepare``
+    (``new=``), one plan instead of a write's and a prepare's: two copies into the call scratch,
+    claim, classify + plan, (round end,) decide, apply; no host sync, the reserved scratch kept.
+    Every selected row reads as written, the new tokens' included."""
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=WIDTH),
+            num_layers=3,
+            layers_per_group=1,
+            layout=Tiered(gpu_slots=36, cpu_slots=80, policy=policy),
+            validate=False,
+        )
+    )
+    kv = SparseKV(pool, max_batch=4, top_k=6, max_queries=2)
+    gen, rng = torch.Generator().manual_seed(4), random.Random(4)
+    seqs, expected = [], {}
+    for _ in range(4):
+        seq = pool.admit(10)
+        seqs.append(seq)
+        for layer in range(3):
+            rows = random_rows(gen, 10, WIDTH)
+            pool.write(layer, seq.addresses, rows)
+            expected.update({(layer, a): r for a, r in zip(seq.addresses.tolist(), rows, strict=True)})
+    scratch = [pool._layout.scratch(1, group) for group in range(3)]
+    steps = []
+    for _ in range(4):
+        new_addrs = torch.cat([pool.extend(seq, 1) for seq in seqs])
+        news = [NewRows(layer, new_addrs, random_rows(gen, 4, WIDTH)) for layer in range(3)]
+        sels = []
+        for _group in range(3):
+            sel = selection(rng, seqs, 4, 2, 6)
+            sel[:, 0, 0] = new_addrs  # each request attends over its new token
+            sels.append(sel)
+        steps.append((news, sels))
+        for new in news:
+            expected.update({(new.layer, a): r for a, r in zip(new_addrs.tolist(), new.rows, strict=True)})
+    read = []
+    round_end = ["round_end_kernel"] * (str(policy).startswith("PBLRU"))
+    with no_host_sync():
+        for news, sels in steps:
+            for group, (new, sel) in enumerate(zip(news, sels, strict=True)):
+                with count_launches() as names:
+                    step = kv.prepare(group, sel, new=new)
+                assert names == [
+                    "claim_kernel",
+                    "classify_kernel",
+                    *round_end,
+                    "decide_kernel",
+                    "apply_kernel",
+                ]
+                read.append(
+                    (group, sel, pool.gpu_buffer(group)[step.wait(group).clamp(min=0).long()].clone())
+                )
+    pool.check()
+    assert all(pool._layout.scratch(1, group) is scratch[group] for group in range(3))
+    assert pool.stats()["victims"] > 0
     for layer, sel, got in read:
         for a, row in zip(sel.reshape(-1).tolist(), got.reshape(-1, WIDTH), strict=True):
             if a >= 0:

@@ -95,7 +95,7 @@ def drive_pool() -> None:
     pool's admission and release, and ``compact_slots``."""
     import torch
 
-    from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered, compact_slots
+    from ulakv import PBLRU, EntrySpec, ExactLRU, NewRows, Pool, PoolConfig, Tiered, compact_slots
     from ulakv.kernels.buckets import bucket_bits, search
     from ulakv.kernels.operands import readable_rows
     from ulakv.layouts.census import CensusState
@@ -116,6 +116,10 @@ def drive_pool() -> None:
         pool.write(0, seq.addresses, rows)
         pool.prepare(0, seq.addresses.reshape(1, 4).to(torch.int32))
         pool.prepare(0, seq.addresses.reshape(1, 1, 4))
+        new = pool.extend(seq, 2)  # a prepare with the step's new rows: one plan
+        pool.prepare(
+            0, seq.addresses.reshape(1, 6), new=NewRows(0, new, torch.zeros((2, width), dtype=torch.uint8))
+        )
         pool._layout.read(1, seq.addresses)
         pool.release(seq)
         # A striped rank's buffer: the same kernels specialised to drop victims and take fetched rows.
@@ -167,7 +171,7 @@ class Variant:
     widest_load_bits: int  # widest ld.global in the PTX (a row moved 16 bytes at a time: 128)
     widest_store_bits: int
     vector_bytes: int  # bytes a row's vector holds in this variant (``UNIT_BYTES``), 0 if it moves none
-    # The mode flags it was specialised for (WRITE, POLICY, CACHE, ADMIT, CHECKED: those it has),
+    # The mode flags it was specialised for (WRITE, NEW, POLICY, CACHE, ADMIT, CHECKED: those it has),
     # e.g. "POLICY=0 WRITE=1": which of a kernel's paths a row of the table is.
     flags: str = ""
 
@@ -188,7 +192,7 @@ def resident_warps(registers: int, warps: int, shared_bytes: int) -> int:
     return min(programs, (228 * 1024) // shared) * warps
 
 
-_FLAGS = ("POLICY", "WRITE", "CACHE", "ADMIT", "CHECKED")
+_FLAGS = ("POLICY", "WRITE", "NEW", "CACHE", "ADMIT", "CHECKED")
 
 _PTX_WIDTHS = {"b8": 8, "b16": 16, "b32": 32, "b64": 64, "u8": 8, "u16": 16, "u32": 32, "u64": 64}
 
