@@ -221,6 +221,7 @@ def _bring_in(
     write_layer,
     fetched_ptr,
     fetch_row_ptr,
+    WRITE: tl.constexpr,
     NEW: tl.constexpr,
     CACHE: tl.constexpr,
     VECS: tl.constexpr,
@@ -242,7 +243,12 @@ def _bring_in(
     g2, _ = unit_offsets(t.v.to(tl.int64), rows.n_vec, VECS, UNIT)
     c2, _ = unit_offsets(t.copy.to(tl.int64), rows.n_vec, VECS, UNIT)
     if NEW:
-        is_new = (t.live & (t.pos < n_new))[:, None, None]
+        # (a write's misses are all new: testing the position too cost its exact LRU variant 16 B of
+        # spill, sm_90)
+        if WRITE:
+            is_new = t.live[:, None, None]
+        else:
+            is_new = (t.live & (t.pos < n_new))[:, None, None]
         p2, _ = unit_offsets(t.pos.to(tl.int64), rows.n_vec, VECS, UNIT)
         new_row = load_units(new_rows_ptr, p2, is_new & (to_gpu | to_cpu), UNIT, UNIT_BYTES)
     if CACHE:  # rows fetched from their home ranks, every layer of the group: miss j's is row
@@ -263,7 +269,7 @@ def _bring_in(
 
 
 @triton.jit
-def _commit(t, homes, CACHE: tl.constexpr, NEW: tl.constexpr):
+def _commit(t, homes, CACHE: tl.constexpr, WRITE: tl.constexpr, NEW: tl.constexpr):
     """Phase ``commit`` (mapping): misses live where their rows are; each miss from the CPU leaves
     its row, now its copy, where the plan put it in the free list (``push``), and so does a new
     entry its copy's row (a new entry never comes from the CPU)."""
@@ -274,7 +280,9 @@ def _commit(t, homes, CACHE: tl.constexpr, NEW: tl.constexpr):
         # the row that rejoins the list holding its entry's bytes (the plan placed it: ``push``)
         joins = t.live & (t.push >= 0)
         row = t.src - G
-        if NEW:
+        if WRITE:
+            row = t.copy
+        elif NEW:
             row = tl.where(t.src >= G, row, t.copy)
         tl.store(homes.cpu_free + t.push, row, mask=joins)
         tl.store(homes.cpu_pos + row, t.push, mask=joins)
@@ -536,6 +544,7 @@ def apply_kernel(
                     write_layer,
                     fetched_ptr,
                     fetch_row_ptr,
+                    WRITE,
                     NEW,
                     CACHE,
                     VECS,
@@ -544,7 +553,7 @@ def apply_kernel(
                 )
             tl.debug_barrier()  # the misses' rows in before their mapping moves
             if run_commit:
-                _commit(t, homes, CACHE, NEW)
+                _commit(t, homes, CACHE, WRITE, NEW)
                 if POLICY == K.PBLRU:
                     bitmaps = Buckets(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, R)
                     _commit_buckets(t, bitmaps, rnd, rnd_bucket)
