@@ -10,13 +10,16 @@ hitters, far picks partly reused, three speculative query positions). The GPU ti
 step's working set, the CPU tier the rest. A first prepare fills every GPU slot, two steps of the
 trace follow, and the third is counted: its misses evict. Then a decode step's write is counted:
 one new token a request, written while the GPU is full (each evicts an entry not used this round,
-and takes a copy in a plain free CPU row where one lies below its pops). The apply kernel is
-counted with its GPU tiling (``apply.GPU_TILING``). Runs under the Triton interpreter.
+and takes a copy in a plain free CPU row where one lies below its pops). Last, on a copy of the
+pool as it was before that step, the same step as one plan (``prepare(..., new=NewRows(...))``:
+the new tokens' rows with the selection), beside the two plans' sum. The apply kernel is counted
+with its GPU tiling (``apply.GPU_TILING``). Runs under the Triton interpreter.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import time
 
@@ -24,7 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
-from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv import PBLRU, EntrySpec, ExactLRU, NewRows, Pool, PoolConfig, Tiered
 from ulakv.kernels import apply as apply_mod
 from ulakv.kernels.critical_path import GPU_PROGRAM_SLOTS, count_memory_ops, critical_path
 from ulakv.traces import SyntheticSpec, synthetic
@@ -86,6 +89,7 @@ def measure(batch: int, policy) -> dict:
     before = pool.stats()
     new = torch.cat([pool.extend(s) for s in seqs])  # the step's new tokens: one a request
     rows = torch.zeros((new.numel(), 16), dtype=torch.uint8)
+    twin = copy.deepcopy(pool)  # the same step as one plan, from the same state
     tiling, apply_mod.TILING = apply_mod.TILING, apply_mod.GPU_TILING
     try:
         with count_memory_ops() as launches:
@@ -93,6 +97,8 @@ def measure(batch: int, policy) -> dict:
         after = pool.stats()
         with count_memory_ops() as written:  # then their rows: the GPU is full, each evicts
             pool.write(0, new, rows)
+        with count_memory_ops() as fused:
+            twin.prepare(0, addresses(WARMUP_STEPS), new=NewRows(0, new, rows))
     finally:
         apply_mod.TILING = tiling
     misses = after["misses"] - before["misses"]
@@ -117,6 +123,11 @@ def measure(batch: int, policy) -> dict:
         write=" + ".join(f"{launch.kernel} {launch.busiest}" for launch in written),
         write_critical_path=critical_path(written),
         write_in_waves=critical_path(written, slots=GPU_PROGRAM_SLOTS),
+        apart=critical_path(launches) + critical_path(written),
+        apart_launches=len(launches) + len(written),
+        one_plan=" + ".join(f"{launch.kernel} {launch.busiest}" for launch in fused),
+        one_plan_critical_path=critical_path(fused),
+        one_plan_launches=len(fused),
     )
 
 
@@ -136,7 +147,15 @@ def main() -> None:
         "all_programs",
         "in_waves",
     ]
-    extra = ["critical_path", "critical_path_in_waves", "write", "write_critical_path"]
+    extra = [
+        "critical_path",
+        "critical_path_in_waves",
+        "write",
+        "write_critical_path",
+        "apart (launches)",
+        "one_plan",
+        "one_plan_critical_path (launches)",
+    ]
     print("| " + " | ".join([*columns, *extra]) + " |")
     print("|---" * (len(columns) + len(extra)) + "|")
     for batch in args.batch:
@@ -148,6 +167,9 @@ def main() -> None:
                 f"**{row['critical_path_in_waves']}**",
                 row["write"],
                 f"**{row['write_critical_path']}**",
+                f"{row['apart']} ({row['apart_launches']})",
+                row["one_plan"],
+                f"**{row['one_plan_critical_path']}** ({row['one_plan_launches']})",
             ]
             print("| " + " | ".join(cells) + " |", flush=True)
             print(f"<!-- {time.perf_counter() - t0:.0f} s -->", flush=True)

@@ -21,6 +21,7 @@ import torch
 
 from .config import PBLRU, CPUOffloadBaseline, EntrySpec, ExactLRU, LayoutConfig, PoolConfig, Tiered
 from .errors import CapacityError
+from .frame import NewRows
 from .policies import ExactLRUModel, PBLRUModel
 from .policies.cpu_tier import CPUTierModel
 from .policies.exact_lru import distinct
@@ -149,13 +150,22 @@ class _PoolTarget:
         self._write(seq.addresses)
         return list(seq._addresses)
 
-    def extend(self, keys: list[int]) -> list[int]:
+    def extend(self, keys: list[int], write: bool = True) -> list[int]:
         new = torch.cat([self.pool.extend(self.seqs[k], 1) for k in keys])
-        self._write(new)
+        if write:
+            self._write(new)
         return new.tolist()
 
-    def prepare(self, group: int, rows: list[list[int]], keys: list[int]) -> None:
-        self.pool.prepare(group, torch.tensor(rows, dtype=torch.int64, device=self.cfg.torch_device))
+    def prepare(
+        self, group: int, rows: list[list[int]], keys: list[int], new: list[int] | None = None
+    ) -> None:
+        device = self.cfg.torch_device
+        kwargs = {}
+        if new is not None:  # the step's new tokens, written in the prepare's plan (one-layer groups)
+            addresses = torch.tensor(new, dtype=torch.int64, device=device)
+            rows_new = self.zeros.expand(len(new), -1)
+            kwargs["new"] = NewRows(self.cfg.group_layers(group).start, addresses, rows_new)
+        self.pool.prepare(group, torch.tensor(rows, dtype=torch.int64, device=device), **kwargs)
 
     def release(self, key: int) -> None:
         self.pool.release(self.seqs.pop(key))
@@ -234,19 +244,29 @@ class _ModelTarget(_AddressBook):
         self._write(addrs)
         return addrs
 
-    def extend(self, keys: list[int]) -> list[int]:
+    def extend(self, keys: list[int], write: bool = True) -> list[int]:
         new = self._extend(keys)
-        self._write(new)
+        if write:
+            self._write(new)
         return new
 
-    def prepare(self, group: int, rows: list[list[int]], keys: list[int]) -> None:
-        hits, misses, victims = self.models[group].prepare([a for row in rows for a in row])
+    def prepare(
+        self, group: int, rows: list[list[int]], keys: list[int], new: list[int] | None = None
+    ) -> None:
+        """A prepare; with ``new``, the step's new tokens planned with it (they lead its elements,
+        are its first misses, and are written, not missed)."""
+        fresh = list(new or [])
+        hits, misses, victims = self.models[group].prepare(fresh + [a for row in rows for a in row])
         row_bytes = len(self.cfg.group_layers(group)) * self.cfg.entry.bytes_per_layer
-        copied = self.tiers[group].prepare(victims, misses)
+        made = 0
+        if fresh:
+            copied, made = self.tiers[group].prepare_new(victims, misses, len(fresh))
+        else:
+            copied = self.tiers[group].prepare(victims, misses)
         self.stats["hits"] += len(hits)
-        self.stats["misses"] += len(misses)
-        self.stats["bytes_in"] += len(misses) * row_bytes
-        self.stats["bytes_out"] += copied * row_bytes
+        self.stats["misses"] += len(misses) - len(fresh)
+        self.stats["bytes_in"] += (len(misses) - len(fresh)) * row_bytes
+        self.stats["bytes_out"] += (copied + made) * row_bytes
         self.stats["victims"] += len(victims)
 
     def release(self, key: int) -> None:
@@ -358,6 +378,7 @@ def replay(
     layout: LayoutConfig | None = None,
     belady: bool = True,
     warmup: int = 0,
+    fused: bool = False,
 ) -> ReplayResult:
     """Run ``trace`` with ``gpu_slots`` GPU slots per group and ``policy``; the CPU tier holds
     everything, so capacity never binds. ``backend="pool"`` runs a real pool (its kernels);
@@ -367,7 +388,8 @@ def replay(
     ``ReplayResult.pool_stats`` keeps the pool's own counters. ``belady=False`` skips the Belady
     bound (its hit rate is then NaN): byte studies of long traces do not need it. ``warmup``: the
     ``warm_*`` figures count only the steps from this one on (a request admitted then still has
-    its prompt counted)."""
+    its prompt counted). ``fused``: each step's new tokens are written by every group's prepare
+    (``new=``, one plan), not by a write before them (one-layer groups, tiered pools only)."""
     groups = trace.groups
     total_tokens = sum(r.prompt_len + r.steps for r in trace.requests)
     cfg = PoolConfig(
@@ -380,6 +402,8 @@ def replay(
     )
     if backend not in ("pool", "model"):
         raise ValueError(f"backend must be 'pool' or 'model', got {backend!r}")
+    if fused and (layers_per_group != 1 or not isinstance(cfg.layout, Tiered)):
+        raise ValueError("fused replays take one-layer groups of a tiered pool")
     target = _target(cfg, backend)
     peak = (0, 0)
     addresses: dict[int, list[int]] = {}
@@ -400,7 +424,8 @@ def replay(
                 active.append((i, s))
         if not active:
             continue
-        new = target.extend([i for i, _ in active])
+        keys = [i for i, _ in active]
+        new = target.extend(keys, write=False) if fused else target.extend(keys)
         for (i, _), a in zip(active, new, strict=True):
             addresses[i].append(a)
         for g in range(groups):
@@ -412,7 +437,7 @@ def replay(
                 rows.append(
                     [own[p] if p >= 0 else -1 for p in trace.requests[i].topk[s, g].flatten().tolist()]
                 )
-            target.prepare(g, rows, [i for i, _ in active])
+            target.prepare(g, rows, [i for i, _ in active], *([new] if fused else []))
             prepares += 1
             events[g].append(("select", [a for row in rows for a in distinct(row)]))
         held = target.occupancy()

@@ -25,6 +25,9 @@ like a swap-in's; an entry on the GPU written again
 writes through to its copy when the copy is intact and no pop of the call takes it, and loses it
 otherwise.
 
+A prepare with new rows (``prepare_new``) gives its new tokens copies the same way; its other
+misses' rows join the bottom above those copies.
+
 The policies' models say which addresses move; this model says which rows they move to and what
 it costs, row for row what ``ulakv.kernels.apply`` does (``tests/test_traces.py`` holds a replay on
 the models equal to one on a real pool).
@@ -217,6 +220,31 @@ class CPUTierModel:
             self.copy_of[row] = a
             self.copy[a] = row
         return copied
+
+    def prepare_new(self, victims: list[int], misses: list[int], new: int) -> tuple[int, int]:
+        """One prepare with new rows (``NewRows``): ``misses`` in miss order, the ``new`` new tokens
+        (never written, no row to leave) first, the last ``len(victims)`` of them into the victims'
+        slots. The call never fills: every victim pops a row, and one whose copy no pop of the
+        call takes goes back to it (``place``). The new tokens get copies as a write's new entries
+        do: one in a clean victim's slot in the row that victim popped, the others in plain rows
+        below the pops while they last, at the bottom of the list; the selection's misses from the
+        CPU leave their rows at the bottom above those copies. Returns the victims whose bytes were
+        copied, and the copies made."""
+        placed = misses[:new]
+        k_free = len(misses) - len(victims)
+        clean = self._clean_rows(victims, len(victims)) if self.write_copies else [None] * len(victims)
+        paired = {k_free + i for i, row in enumerate(clean) if row is not None and k_free + i < new}
+        others = [a for j, a in enumerate(placed) if j not in paired]
+        made = min(len(others), max(self.plain - len(victims), 0)) if self.write_copies else 0
+        copied, popped = self._place(victims, [])
+        for j in sorted(paired):  # the row the clean victim popped, now in its copy's place
+            self._copy(placed[j], popped[j - k_free])
+        rows = self._pop(made)
+        self.swap_in([a for a in misses[new:] if a in self.home])
+        self._push(rows)  # below the swapped-in rows
+        for a, row in zip(others, rows, strict=False):
+            self._copy(a, row)
+        return copied, made + len(paired)
 
     def swap_in(self, addresses: list[int]) -> None:
         """Misses that came from the CPU, in miss order, now on the GPU: each row, still holding its
