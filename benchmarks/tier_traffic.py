@@ -10,7 +10,9 @@ split in equal per-request quotas). Out: rows written to the CPU (prompt and new
 there or take a copy, rewrites through to a copy, evictions that copy); in: misses brought to the
 GPU. Per step: after the first ``WARMUP`` steps. Total: the whole run, prompts included. "before"
 is ulakv with ``Tiered(write_copies=False)`` on the same trace: written rows get no copy, so each is
-copied out at its first eviction (the behaviour before write copies).
+copied out at its first eviction (the behaviour before write copies). "one plan" is ulakv with each
+step's new tokens written by every group's prepare (``prepare(..., new=NewRows(...))``) instead of
+by a write before it.
 """
 
 from __future__ import annotations
@@ -77,12 +79,17 @@ def rows(trace: Trace, backend: str) -> list[dict]:
             layout=CPUOffloadBaseline(cpu_slots=total, slots_per_request=quota, max_requests=alive),
             **kw,
         )
-        out.append(dict(x=x, slots=slots, system="CPU offload", result=base, before=None, base=base))
+        out.append(
+            dict(x=x, slots=slots, system="CPU offload", result=base, before=None, base=base, fused=None)
+        )
         for policy, name in ((ExactLRU(), "ulakv exact LRU"), (PBLRU(8), "ulakv PB-LRU(8)")):
             result = replay(trace, policy, slots, **kw)
             old = Tiered(gpu_slots=slots, cpu_slots=total, policy=policy, write_copies=False)
             before = replay(trace, policy, slots, layout=old, **kw)
-            out.append(dict(x=x, slots=slots, system=name, result=result, before=before, base=base))
+            fused = replay(trace, policy, slots, fused=True, **kw)
+            out.append(
+                dict(x=x, slots=slots, system=name, result=result, before=before, base=base, fused=fused)
+            )
     return out
 
 
@@ -96,11 +103,12 @@ def table(found: list[dict]) -> str:
     lines = [
         "| x ws | GPU rows | system | hit rate | MB in/step | MB out/step | in+out / baseline "
         "| before: MB out/step | before: in+out / baseline | total MB | total / baseline "
-        "| before: total / baseline | clean evictions |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| before: total / baseline | one plan: MB out/step | one plan: in+out / baseline "
+        "| one plan: total / baseline | clean evictions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in found:
-        r, b, old = row["result"], row["base"], row["before"]
+        r, b, old, fused = row["result"], row["base"], row["before"], row["fused"]
         step, whole = _moved(r)
         base_step, base_whole = _moved(b)
         before_cells = ["", "", ""]
@@ -111,13 +119,22 @@ def table(found: list[dict]) -> str:
                 f"{old_step / base_step:.2f}",
                 f"{old_whole / base_whole:.2f}",
             ]
+        fused_cells = ["", "", ""]
+        if fused is not None:
+            fused_step, fused_whole = _moved(fused)
+            fused_cells = [
+                f"{fused.warm_bytes_out_per_step / 1e6:.3f}",
+                f"{fused_step / base_step:.2f}",
+                f"{fused_whole / base_whole:.2f}",
+            ]
         clean = r.pool_stats.get("clean_evictions")
         share = f"{clean:,} of {r.victims:,}" if old is not None else ""
         lines.append(
             f"| {row['x']} | {row['slots']:,} | {row['system']} | {100 * r.hit_rate:.2f}% "
             f"| {r.warm_bytes_in_per_step / 1e6:.3f} | {r.warm_bytes_out_per_step / 1e6:.3f} "
             f"| {step / base_step:.2f} | {before_cells[0]} | {before_cells[1]} | {whole / 1e6:.1f} "
-            f"| {whole / base_whole:.2f} | {before_cells[2]} | {share} |"
+            f"| {whole / base_whole:.2f} | {before_cells[2]} | {fused_cells[0]} | {fused_cells[1]} "
+            f"| {fused_cells[2]} | {share} |"
         )
     return "\n".join(lines)
 

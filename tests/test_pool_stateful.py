@@ -33,6 +33,7 @@ from hypothesis.stateful import (
 from ulakv import (
     CapacityError,
     InvalidAddressError,
+    NewRows,
     Pool,
 )
 from ulakv.transfer import PlanInterrupted, interrupt_after
@@ -348,6 +349,62 @@ class PoolMachine(RuleBasedStateMachine):
         for a in distinct:
             self.homed.add((a, group))
         self.protected[group] = dict(slot_of)
+
+    @precondition(lambda self: any(self.seq_addrs) and self.pool.free_addresses > 0)
+    @rule(data=st.data())
+    def prepare_new(self, data: st.DataObject) -> None:
+        """A decode step's one plan: new tokens of a request, their rows for one layer of the group,
+        prepared with a selection that may name them (``prepare(..., new=NewRows(...))``)."""
+        group = data.draw(st.integers(0, self.num_groups - 1), label="group")
+        i = data.draw(st.sampled_from(self._nonempty()), label="seq")
+        n = data.draw(st.integers(1, min(3, self.pool.free_addresses)), label="new tokens")
+        self.extend_to(i, n)
+        live = self.seq_addrs[i]
+        new = live[-n:]
+        layer = data.draw(st.sampled_from(self._layers(group)), label="layer")
+        k = data.draw(st.integers(1, 6), label="k")
+        picks = data.draw(st.lists(st.one_of(st.just(-1), st.sampled_from(live)), min_size=k, max_size=k))
+        dtype = data.draw(INDEX_DTYPES, label="dtype")
+        topk = torch.tensor(picks, dtype=dtype).view(1, k)
+        seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+        rows = torch.randint(
+            0, 256, (n, self.B), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+        )
+        arg = NewRows(layer, torch.tensor(new, dtype=dtype), rows)
+        distinct = list(dict.fromkeys([*new, *(a for a in picks if a >= 0)]))
+        if len(distinct) > self.G:
+            event("prepare_new: rejected, too many distinct")
+            self._expect_rejected(CapacityError, lambda: self.pool.prepare(group, topk, new=arg))
+            return
+        old = [a for a in distinct if a not in new]
+        before_res = self._residency(group, old)
+        s0 = self.pool.stats()
+        sel = self.pool.prepare(group, topk, new=arg)
+        s1 = self.pool.stats()
+        for a, row in zip(new, rows, strict=True):
+            self.model[a][layer] = row.clone()
+        self.homed.update((a, group) for a in distinct)  # a selected entry never written gets a slot too
+        res = self._residency(group, distinct)
+        assert all(r >= 0 for r in res), "a new token or a selected entry is not on the GPU"
+        for a, s in zip(picks, sel.slots.view(-1).tolist(), strict=True):
+            assert s == (-1 if a < 0 else res[distinct.index(a)])
+        index = torch.tensor(res, dtype=torch.int64)
+        for g_layer in self._layers(group):
+            assert torch.equal(self.pool.gpu_buffer(g_layer)[index], self._expected(g_layer, distinct))
+        hits = sum(r >= 0 for r in before_res)
+        assert s1["hits"] - s0["hits"] == hits  # new tokens are written, not hit or missed
+        assert s1["misses"] - s0["misses"] == len(old) - hits
+        event("prepare_new: " + ("evicted" if s1["victims"] > s0["victims"] else "no victims"))
+        event("prepare_new: " + ("names a new token" if set(new) & set(picks) else "new tokens apart"))
+        self.protected[group] = dict(zip(distinct, res, strict=True))
+
+    def extend_to(self, i: int, n: int) -> None:
+        """``n`` new tokens for request ``i`` (host bookkeeping, as ``extend`` checks it)."""
+        new = self.pool.extend(self.seqs[i], n).tolist()
+        for a in new:
+            self.model[a] = {}
+            self.dead.discard(a)
+        self.seq_addrs[i].extend(new)
 
     # ---------------------------------------------------------------------------------------------
     # bad input: raises, changes nothing
