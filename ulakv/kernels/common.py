@@ -47,7 +47,10 @@ E_CLEAN_COPIES = tl.constexpr(23)  # a write: its new entries whose copy is the 
 # A prepare with new rows (``NewRows``): its new tokens that are not padding, counted by the claim
 # (the planning program reads and clears it; a write's new entries are its misses).
 E_NEW_MISSES = tl.constexpr(24)
-CTL_WORDS = 25
+# ... and the victims counted clean among its new tokens' (they pop a row even when the call fills:
+# it holds the new token's copy), so that the selection's misses past them may fill.
+E_NEW_CLEAN = tl.constexpr(25)
+CTL_WORDS = 26
 CTL_BLOCK = tl.constexpr(32)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.

@@ -147,7 +147,12 @@ def decide_kernel(
                 j, has_slot, k_free, victims_ptr, cand_ptr, seg_ptr, seg_blocks_ptr, seg_blocks
             )
             popping = live & (j >= k_free)  # past the free slots: evicts, or takes a CPU row itself
-            fills = tl.where(counted_clean, fill, 0) != 0  # filling, the plan's clean victims pop nothing
+            # Filling, the plan's clean victims pop nothing, but a new token's (its row holds the
+            # token's copy): a prepare's new tokens are its first misses, so the clean victims
+            # before a miss of the selection that fill are those before it less the new tokens'.
+            is_new = p < n_new
+            fills = (tl.where(counted_clean, fill, 0) != 0) & ~is_new
+            before_fill = tl.where(is_new, 0, before - control_word(ctl, K.E_NEW_CLEAN))
             cpu_row = tl.full((TILE,), -1, tl.int32)
             dest = tl.full((TILE,), -1, tl.int32)
             push = tl.full((TILE,), -1, tl.int32)
@@ -156,7 +161,7 @@ def decide_kernel(
             copy_to = tl.full((TILE,), -1, tl.int32)
             if not CACHE:  # a buffer drops its victims: no CPU rows, no copies
                 takes_row = popping & ~fills
-                at = pop_index_jit(j, k_free, before, fill)
+                at = pop_index_jit(j, k_free, before_fill, fill)
                 cpu_row = tl.load(popped_ptr + at, mask=takes_row, other=-1)
                 copy = tl.load(copy_row_ptr + v, mask=has_slot & popping, other=-1)
                 back = takes_row & has_slot & (copy >= 0)
@@ -171,14 +176,13 @@ def decide_kernel(
                 # earlier such misses that do not fill (the classify ranked them in the chunk);
                 # filling, in its clean victim's copy's place.
                 pushes = live & (src >= G)
-                bottom = push_base + copies - before * fill + push_off
+                bottom = push_base + copies - before_fill * fill + push_off
                 bottom = K.wrap(bottom + tl.load(cpu_rank_ptr + p, mask=pushes, other=0), C)  # < 2C
                 # A new entry (a write's, or a prepare's new token: positions below n_new) in a
                 # clean victim's slot keeps its copy in the row the victim popped, in the copy's
                 # place (evict puts it there); the others with a slot, the first ``copies`` in miss
                 # order, in the plain rows below the call's pops, which rejoin the list at the
                 # bottom, in that order, before the rows of misses from the CPU (above).
-                is_new = p < n_new
                 paired = refill & is_new & ((j * 0 + control_word(ctl, K.E_CLEAN_COPIES)) != 0)
                 place = tl.load(cpu_pos_ptr + copy, mask=(pushes & fills) | paired, other=0)
                 push = tl.where(pushes, tl.where(fills, place, bottom), -1)
@@ -270,14 +274,16 @@ def decide_reference(st, g: int, scratch, T: int, n_new: int) -> None:
     counted_clean &= has_slot
     before = torch.where(has_slot, before, 0)
     popping = j >= k_free
-    fills = counted_clean & bool(fill)
+    is_new = pos < n_new  # a prepare's new tokens never fill (their popped rows hold their copies)
+    fills = counted_clean & bool(fill) & ~is_new
+    before_fill = torch.where(is_new, 0, before - ctl[int(K.E_NEW_CLEAN)])
     none = torch.full_like(j, -1)
     cpu_row, dest, push, clean, refill = none, none, none, fills, torch.zeros_like(fills)
     copy_to = none
     if not st.CACHE:
         takes_row = popping & ~fills
         popped = scratch.popped.cpu().to(torch.int64)
-        at = pop_index(j, k_free, before, fill).clamp(min=0, max=popped.numel() - 1)
+        at = pop_index(j, k_free, before_fill, fill).clamp(min=0, max=popped.numel() - 1)
         cpu_row = torch.where(takes_row, popped[at], -1)
         copy_row, copy_slot = st.copy_row[g].cpu().to(torch.int64), st.copy_slot[g].cpu().to(torch.int64)
         copy = torch.where(has_slot & popping, copy_row[slot.clamp(min=0)], -1)
@@ -291,11 +297,10 @@ def decide_reference(st, g: int, scratch, T: int, n_new: int) -> None:
         rank = scratch.cpu_rank.cpu().to(torch.int64)[pos]
         C = st.cpu_stack_size
         copies = ctl[int(K.E_COPIES)]
-        bottom = ctl[int(K.E_PUSH_BASE)] + copies - before * fill + offsets[chunk, int(K.O_PUSH)] + rank
+        bottom = ctl[int(K.E_PUSH_BASE)] + copies - before_fill * fill + offsets[chunk, int(K.O_PUSH)] + rank
         bottom = bottom % C
         filled = st.cpu_pos[g].cpu().to(torch.int64)[copy.clamp(min=0)]
         push = torch.where(pushes, torch.where(fills, filled, bottom), -1)
-        is_new = pos < n_new
         paired = refill & is_new & bool(ctl[int(K.E_CLEAN_COPIES)])
         k = j - before
         copied = has_slot & is_new & ~counted_clean & (k < copies)

@@ -549,11 +549,13 @@ def victims_program(
         # leaves takes its copy's place in the free list (apply). Otherwise (a write, or a prepare
         # of an entry never written: a miss with no row to leave) every victim pops one; in a
         # write, the row a clean victim pops takes its copy's place holding its new entry's copy.
+        # A prepare's new tokens (its first misses) are a write's entries: it fills when its other
+        # misses all come from the CPU, and only their clean victims pop nothing.
         fill = tl.zeros((), dtype=tl.int64)
         n_clean = tl.zeros((), dtype=tl.int64)
         if not CACHE:
-            if not WRITE:
-                fill = (MC == M).to(tl.int64)
+            if not WRITE:  # (a prepare's new tokens, its first misses, leave no row: they never fill)
+                fill = (MC + control_word(ctl, K.E_NEW_MISSES) == M).to(tl.int64)
             if got > 0:
                 bit, in_segment = _unpacked_clean(tl.load(cand_ptr + last_at + (got - 1 - last_start)))
                 n_clean = last_clean + in_segment + bit
@@ -643,8 +645,9 @@ def victims_program(
         # at the bottom after its mapping moved, or, filling, in its clean victim's copy's place.
         # The classify programs copied the top to scratch, so the bottom may wrap over the popped
         # region without racing apply's readers of the pops.
-        pops = M - k_free - n_clean * fill
-        pushes = push_run - n_clean * fill
+        # (filling, the clean victims of the selection's misses alone: a new token's pops its row)
+        pops = M - k_free - (n_clean - new_clean) * fill
+        pushes = push_run - (n_clean - new_clean) * fill
         if CACHE:  # a buffer drops its victims (their home is on another rank): no CPU rows
             pops = pops * 0
         # New entries with a GPU slot (a write's, a prepare's new tokens) get a copy each: one in a
@@ -680,8 +683,9 @@ def victims_program(
         plan = tl.where(cw == K.E_ROUND_BUCKET, round_bucket, plan)
         plan = tl.where(cw == K.E_MISSES, M, tl.where(cw == K.E_QUEUE_AT, queue_at, plan))
         plan = tl.where(cw == K.E_COPIES, copies, tl.where(cw == K.E_CLEAN_COPIES, clean_copies, plan))
+        plan = tl.where(cw == K.E_NEW_CLEAN, new_clean, plan)
         planned = (cw == K.E_KFREE) | (cw == K.E_VICTIMS) | (cw == K.E_PUSH_BASE) | (cw == K.E_COPIES)
-        planned = planned | (cw == K.E_CLEAN_COPIES)
+        planned = planned | (cw == K.E_CLEAN_COPIES) | (cw == K.E_NEW_CLEAN)
         planned = planned | (cw == K.E_SEG_BLOCKS) | (cw == K.E_FILL) | (cw == K.E_POPS)
         planned = planned | (cw == K.E_RING_BLOCKS) | (cw == K.E_RING_AT) | (cw == K.E_RING_DROPPED)
         planned = planned | (cw == K.E_ROUND_BUCKET) | (cw == K.E_MISSES) | (cw == K.E_QUEUE_AT)
@@ -833,16 +837,17 @@ def victims_reference(
         clean = [False] * (V - k_free)
         if not st.CACHE:
             clean = clean_candidates_reference(st, g, victims[k_free:], M - k_free)
-        fill = not write and not st.CACHE and MC == M
-        n_clean = sum(clean)
-        pops = 0 if st.CACHE else M - k_free - n_clean * fill  # copied to scratch.popped by the classify
-        pushes = push_run - n_clean * fill
-        plain = max(int(gctl[int(K.G_CPU_PLAIN)]) - pops, 0)
-        # A write's copies: a clean victim's new entry in the row the victim popped, the others
-        # in plain rows below the pops while they last.
-        # New entries: a write's misses, or a prepare's new tokens (its first misses).
+        # New entries: a write's misses, or a prepare's new tokens (its first misses, which never
+        # fill: the selection's misses past them fill when all come from the CPU).
         NM = M if write else int(ctl[int(K.E_NEW_MISSES)])
         new_clean = sum(clean[: max(0, min(NM - k_free, V - k_free))])
+        fill = not write and not st.CACHE and MC == M - NM
+        n_clean = sum(clean)
+        pops = 0 if st.CACHE else M - k_free - (n_clean - new_clean) * fill  # the classify copied them
+        pushes = push_run - (n_clean - new_clean) * fill
+        plain = max(int(gctl[int(K.G_CPU_PLAIN)]) - pops, 0)
+        # A new entry's copy: in the row its clean victim popped, else in a plain row below the
+        # pops while they last.
         copying = not st.CACHE and int(ctl[int(K.E_WRITE_COPIES)])
         copies = min(min(V, NM) - new_clean, plain) if copying else 0
         clean_copies = new_clean if copying else 0
@@ -857,6 +862,7 @@ def victims_reference(
         gctl[int(K.G_CPU_PLAIN)] = plain
         ctl[int(K.E_COPIES)] = copies
         ctl[int(K.E_CLEAN_COPIES)] = clean_copies
+        ctl[int(K.E_NEW_CLEAN)] = new_clean
         ctl[int(K.E_FILL)] = int(fill)
         ctl[int(K.E_POPS)] = pops
         ctl[int(K.E_KFREE)] = k_free

@@ -25,8 +25,8 @@ like a swap-in's; an entry on the GPU written again
 writes through to its copy when the copy is intact and no pop of the call takes it, and loses it
 otherwise.
 
-A prepare with new rows (``prepare_new``) gives its new tokens copies the same way; its other
-misses' rows join the bottom above those copies.
+A prepare with new rows (``prepare_new``) gives its new tokens copies the same way, and fills for
+its other misses when they all come from the CPU; their rows join the bottom above those copies.
 
 The policies' models say which addresses move; this model says which rows they move to and what
 it costs, row for row what ``ulakv.kernels.apply`` does (``tests/test_traces.py`` holds a replay on
@@ -224,23 +224,45 @@ class CPUTierModel:
     def prepare_new(self, victims: list[int], misses: list[int], new: int) -> tuple[int, int]:
         """One prepare with new rows (``NewRows``): ``misses`` in miss order, the ``new`` new tokens
         (never written, no row to leave) first, the last ``len(victims)`` of them into the victims'
-        slots. The call never fills: every victim pops a row, and one whose copy no pop of the
-        call takes goes back to it (``place``). The new tokens get copies as a write's new entries
-        do: one in a clean victim's slot in the row that victim popped, the others in plain rows
-        below the pops while they last, at the bottom of the list; the selection's misses from the
-        CPU leave their rows at the bottom above those copies. Returns the victims whose bytes were
-        copied, and the copies made."""
-        placed = misses[:new]
+        slots. The new tokens are a write's new entries: each victim of theirs pops a row, and they
+        get copies, one in a clean victim's slot in the row that victim popped, the others in plain
+        rows below the pops while they last (at the bottom of the list). The selection's misses
+        are ``prepare``'s: when all come from the CPU the call fills (their clean victims pop
+        nothing, each miss's row takes its victim's copy's place); their other rows join the
+        bottom above the new tokens' copies. Returns the victims whose bytes were copied, and the
+        copies made."""
         k_free = len(misses) - len(victims)
-        clean = self._clean_rows(victims, len(victims)) if self.write_copies else [None] * len(victims)
-        paired = {k_free + i for i, row in enumerate(clean) if row is not None and k_free + i < new}
-        others = [a for j, a in enumerate(placed) if j not in paired]
-        made = min(len(others), max(self.plain - len(victims), 0)) if self.write_copies else 0
-        copied, popped = self._place(victims, [])
+        fill = all(a in self.home for a in misses[new:])
+        clean = self._clean_rows(victims, len(victims))
+        fills = [fill and k_free + i >= new and c is not None for i, c in enumerate(clean)]
+        pops = len(victims) - sum(fills)
+        back, mine = self._clean_rows(victims, pops), [self._intact(a) for a in victims]
+        paired = set()
+        if self.write_copies:
+            paired = {k_free + i for i, c in enumerate(clean) if c is not None and k_free + i < new}
+        others = [a for j, a in enumerate(misses[:new]) if j not in paired]
+        made = min(len(others), max(self.plain - pops, 0)) if self.write_copies else 0
+        popped = iter(self._pop(pops))
+        copied, pushed, rows_of = 0, [], {}
+        for j, a in enumerate(misses):
+            i = j - k_free
+            row = self.home.pop(a) if j >= new and a in self.home else None  # a swap-in's row
+            if i >= 0 and fills[i]:
+                self._fill(clean[i], row)
+                copied += self._evict(victims[i], None, clean[i])
+            else:
+                if row is not None:
+                    pushed.append(row)
+                if i >= 0:
+                    top = rows_of[j] = next(popped)
+                    own = mine[i] if mine[i] == top else None
+                    copied += self._evict(victims[i], top, back[i] if back[i] is not None else own)
+            if row is not None:
+                self._copy(a, row)
         for j in sorted(paired):  # the row the clean victim popped, now in its copy's place
-            self._copy(placed[j], popped[j - k_free])
+            self._copy(misses[j], rows_of[j])
         rows = self._pop(made)
-        self.swap_in([a for a in misses[new:] if a in self.home])
+        self._push(pushed)
         self._push(rows)  # below the swapped-in rows
         for a, row in zip(others, rows, strict=False):
             self._copy(a, row)
