@@ -23,7 +23,9 @@ from the H200's published rates, and says which:
 
 One-layer groups (SGLang runs DSA models with an indexer a layer): 61 calls of each kind a step
 for DeepSeek-V3.2, 78 for GLM-5.3 (which shares one top-k across 4 layers: 20 selections a step
-once layer groups follow the model, the second GLM-5.3 row).
+once layer groups follow the model, the second GLM-5.3 row). The "one plan" columns price each
+layer's write and prepare as one call (``prepare(..., new=NewRows(...))``): its critical path and
+its launches, the two copies of its elements included; the bytes are the two calls'.
 """
 
 from __future__ import annotations
@@ -58,15 +60,19 @@ def model_step_ms(preset, batch: int) -> float:
     return (weights + latent + keys) / HBM_BPS * 1e3
 
 
-def pool_layer_us(counts: dict, row_bytes: int) -> dict:
-    """One layer's write and prepare: critical path, bytes and launch gaps, microseconds."""
+def pool_layer_us(counts: dict, row_bytes: int, one_plan: bool = False) -> dict:
+    """One layer's write and prepare (``one_plan``: as one call): critical path, bytes and launch
+    gaps, microseconds."""
     ops = counts["critical_path"] + counts["write_critical_path"]
+    launches = LAUNCHES_PER_LAYER
+    if one_plan:
+        ops, launches = counts["one_plan_critical_path"], counts["one_plan_launches"] + 2  # + 2 copies
     moved = (counts["misses"] + counts["evicted"]) * row_bytes / PCIE_BPS * 1e6
     return {
         "ops": ops,
         "ops_us": ops * US_PER_OP,
         "pcie_us": moved,
-        "launch_us": LAUNCHES_PER_LAYER * US_PER_LAUNCH,
+        "launch_us": launches * US_PER_LAUNCH,
     }
 
 
@@ -82,6 +88,8 @@ def rows(batches: list[int]) -> list[dict]:
             ):
                 layer = pool_layer_us(counts, preset.latent_bytes)
                 pool_ms = calls * (layer["ops_us"] + layer["pcie_us"] + layer["launch_us"]) / 1e3
+                one = pool_layer_us(counts, preset.latent_bytes, one_plan=True)
+                one_ms = calls * (one["ops_us"] + one["pcie_us"] + one["launch_us"]) / 1e3
                 model_ms = model_step_ms(preset, batch)
                 out.append(
                     {
@@ -96,6 +104,9 @@ def rows(batches: list[int]) -> list[dict]:
                         "eager_host_ms": calls * LAUNCHES_PER_LAYER * HOST_US_PER_LAUNCH / 1e3,
                         "model_ms": model_ms,
                         "share": pool_ms / model_ms,
+                        "one_plan_ops": one["ops"],
+                        "one_plan_ms": one_ms,
+                        "one_plan_share": one_ms / model_ms,
                         "hisparse_ms": preset.num_layers * HISPARSE_US_PER_LAYER / 1e3,
                         "key": key,
                     }
@@ -110,15 +121,16 @@ def main() -> None:
     print(
         "| model | batch | policy | selections a step | ops a layer (write + prepare) | misses a layer | "
         "pool ms a step | of which PCIe | eager host ms | model step ms (lower bound) | pool share | "
-        "to 5 % | HiSparse copy ms |"
+        "to 5 % | HiSparse copy ms | one plan: ops a layer | one plan: pool ms | one plan: share |"
     )
-    print("|---" * 13 + "|")
+    print("|---" * 16 + "|")
     for r in rows(args.batch):
         print(
             f"| {r['model']} | {r['batch']} | {r['policy']} | {r['calls']} | {r['ops_a_layer']} | "
             f"{r['misses_a_layer']} | {r['pool_ms']:.2f} | {r['of_which_pcie_ms']:.2f} | "
             f"{r['eager_host_ms']:.2f} | {r['model_ms']:.1f} | {100 * r['share']:.1f} % | "
-            f"x{r['share'] / 0.05:.1f} | {r['hisparse_ms']:.2f} |",
+            f"x{r['share'] / 0.05:.1f} | {r['hisparse_ms']:.2f} | {r['one_plan_ops']} | "
+            f"{r['one_plan_ms']:.2f} | {100 * r['one_plan_share']:.1f} % |",
             flush=True,
         )
     print(
