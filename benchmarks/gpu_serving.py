@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv import PBLRU, EntrySpec, ExactLRU, NewRows, Pool, PoolConfig, Tiered
 from ulakv.engine import SparseKV
 from ulakv.kernels._triton import count_launches
 
@@ -196,10 +196,15 @@ def _kernel_table(step, n: int, device: torch.device) -> list[dict]:
     return sorted(table, key=lambda r: -r["us_per_launch"] * r["per_step"])
 
 
-def whole_step(device: torch.device, sizes: ServingSizes) -> dict:
-    """One decode step of ``step_groups`` one-layer groups (a write of the batch's new tokens and
-    a prepare each), its launches counted, run eagerly and, on CUDA, captured whole in one CUDA
-    graph and replayed on fresh selections and new tokens: the replayed slots hold their bytes."""
+def whole_step(device: torch.device, sizes: ServingSizes) -> list[dict]:
+    """One decode step of ``step_groups`` one-layer groups, as a write of the batch's new tokens and
+    a prepare each ("apart"), and as one plan each (``prepare(..., new=NewRows(...))``): its
+    launches counted, run eagerly and, on CUDA, captured whole in one CUDA graph and replayed on
+    fresh selections and new tokens: the replayed slots hold their bytes."""
+    return [_whole_step(device, sizes, one_plan) for one_plan in (False, True)]
+
+
+def _whole_step(device: torch.device, sizes: ServingSizes, one_plan: bool) -> dict:
     groups, batch, k = sizes.step_groups, sizes.step_batch, sizes.topk
     replays = 3
     context = 4 * sizes.step_slots // batch
@@ -219,8 +224,11 @@ def whole_step(device: torch.device, sizes: ServingSizes) -> dict:
     def step() -> list:
         out = []
         for g in range(groups):
-            kv.write(g, new, reqs.rows)
-            out.append(kv.prepare(g, selection))
+            if one_plan:
+                out.append(kv.prepare(g, selection, new=NewRows(g, new, reqs.rows)))
+            else:
+                kv.write(g, new, reqs.rows)
+                out.append(kv.prepare(g, selection))
         kv.join()
         return out
 
@@ -234,6 +242,7 @@ def whole_step(device: torch.device, sizes: ServingSizes) -> dict:
         torch.cuda.synchronize(device)
     eager_ms = (time.perf_counter() - started) * 1e3
     result = {
+        "calls": "one plan" if one_plan else "write + prepare",
         "groups": groups,
         "batch": batch,
         "topk": k,

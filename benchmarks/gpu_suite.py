@@ -40,8 +40,9 @@ Sections, in order (a failed check stops the suite before any timing):
    (``SparseKV``): median, p99 and worst step on the GPU, hits and evictions a step, and the
    per-kernel table (launches a step, microseconds a launch) over 50 profiled steps.
 12. ``whole_step`` (``gpu_serving.py``): one decode step of 61 one-layer groups (every write and
-   prepare, on the call contexts' streams) captured in one CUDA graph and replayed on new tokens
-   and fresh selections; its launches, eager time against replay time; the slots hold their bytes.
+   prepare, on the call contexts' streams; then every group's one plan, ``prepare(..., new=)``)
+   captured in one CUDA graph and replayed on new tokens and fresh selections; its launches, eager
+   time against replay time, both ways; the slots hold their bytes.
 13. ``refusals``: a step of 8 groups makes no device-to-host copy (the profiler); a refused
    prepare is raised by the next call. ``overlap``: two groups' plans and moves on their call
    contexts' streams, as an event timeline, beside one stream.
@@ -898,7 +899,7 @@ def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callabl
         ),
         (
             "whole_step",
-            "a whole decode step (every group's write and prepare) in one CUDA graph",
+            "a whole decode step in one CUDA graph: every group's write and prepare, then one plan each",
             lambda r: gpu_serving.whole_step(device, serving),
         ),
         (

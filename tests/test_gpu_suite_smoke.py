@@ -52,6 +52,9 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
     assert results["compiled"] == []  # the loader's figures exist only on a GPU
     assert results["graph"]["eager_us"] > 0
     assert [row["attention"] for row in results["striped_graph"]] == ["fetch", "local"]
+    steps = results["whole_step"]  # a step's calls apart, then one plan a group: fewer launches
+    assert [row["calls"] for row in steps] == ["write + prepare", "one plan"]
+    assert steps[1]["launches"] < steps[0]["launches"]
     requests = results["requests"]
     assert len(requests) == 6 and all(row["us"] > 0 and row["groups"] == 3 for row in requests)
 
