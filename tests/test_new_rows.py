@@ -23,6 +23,7 @@ from test_clean_evictions import POLICIES, POLICY_IDS, copies, deltas, row_bytes
 from test_clean_evictions import tiered as tiered_pool
 
 from ulakv import ExactLRU, NewRows
+from ulakv.engine import SparseKV
 from ulakv.errors import InvalidAddressError, InvalidInputError
 from ulakv.kernels import apply as apply_mod
 from ulakv.kernels import common as K
@@ -310,22 +311,178 @@ def test_a_one_plan_stopped_after_each_phase_loses_nothing(policy, phase) -> Non
     assert_reads(pool, model, addrs + new.tolist())
 
 
-def test_new_rows_with_an_empty_selection_are_written() -> None:
+def test_new_rows_with_an_empty_selection_are_one_plan_of_their_own() -> None:
+    """An empty selection with new rows plans the new tokens alone: the rows go in, and a token
+    that is not new is refused (as with a selection), changing nothing."""
     pool, model, seq, addrs = loaded()
     new = pool.extend(seq, 2)
     rows = random_rows(4, 2, WIDTH)
-    got = pool.prepare(0, torch.empty(1, 0, dtype=torch.int64), new=NewRows(0, new, rows))
-    assert got.slots.numel() == 0
+    empty = torch.empty(1, 0, dtype=torch.int64)
+    got = pool.prepare(0, empty, new=NewRows(0, new, rows))
+    assert got.slots.shape == (1, 0)
     model.record(0, new, rows)
     assert_reads(pool, model, addrs + new.tolist())
+    again = NewRows(0, new[:1], random_rows(5, 1, WIDTH))  # homed now: not new
+    expect_rejected(
+        pool, InvalidAddressError, lambda: pool.prepare(0, empty, new=again), addrs + new.tolist()
+    )
 
 
 def test_the_refusal_names_what_was_not_new() -> None:
     pool, _model, _seq, addrs = loaded()
-    with pytest.raises(InvalidAddressError, match="new row"):
+    with pytest.raises(InvalidAddressError, match="new row's address already has a home") as caught:
         pool.prepare(
             0,
             addr_tensor(addrs[:1]).view(1, 1),
             new=NewRows(0, addr_tensor(addrs[1:2]), random_rows(1, 1, WIDTH)),
         )
-    assert int(K.ST_NOT_NEW) not in (int(K.ST_BAD_ADDRESS), int(K.ST_DUPLICATE), int(K.ST_TOO_LARGE))
+    assert str(caught.value).endswith("nothing changed")
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. free slots, write copies off, many new tokens, the plan as described, any claim order
+
+
+def assert_same_as_references(pool, group: int, sel: torch.Tensor, new: NewRows) -> torch.Tensor:
+    """One plan through the kernels and, on a copy, through their references: the same slots and
+    state word for word. Returns the slots."""
+    twin = with_references(pool)
+    got = pool.prepare(group, sel, new=new)
+    want = twin.prepare(group, sel, new=new)
+    assert torch.equal(got.slots, want.slots)
+    assert_same_state(pool.state_dict(), twin.state_dict())
+    return got.slots
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_new_tokens_take_the_free_slots_first(policy) -> None:
+    """With free GPU slots, new tokens are the call's first misses: they take the top of the free
+    stack before the selection's misses, and nothing is evicted."""
+    pool = tiered(policy, gpu=12, cpu=40)
+    model = RowModel(WIDTH)
+    seq = pool.admit(6)
+    addrs = seq.addresses.tolist()
+    fill(pool, model, addrs, seed=6)
+    free_top = pool._state.gpu_free[0, : int(pool._state.gctl[0, int(K.G_GPU_FREE)])].flip(0).tolist()
+    new = pool.extend(seq, 3)
+    rows = random_rows(7, 3, WIDTH)
+    s0 = pool.stats()
+    assert_same_as_references(pool, 0, addr_tensor(addrs[:4]).view(1, 4), NewRows(0, new, rows))
+    model.record(0, new, rows)
+    assert pool.residency(0, new).tolist() == free_top[:3]
+    assert deltas(s0, pool.stats())["victims"] == 0
+    assert_reads(pool, model, addrs + new.tolist())
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_one_plan_without_write_copies_makes_none(policy) -> None:
+    """``Tiered(write_copies=False)``: new tokens get no copy (no bytes out for them), kernels and
+    references alike, and their later eviction copies their rows out."""
+    pool = tiered(policy, gpu=4, cpu=40, write_copies=False)
+    model = RowModel(WIDTH)
+    seq = pool.admit(8)
+    addrs = seq.addresses.tolist()
+    fill(pool, model, addrs, seed=3)
+    new = pool.extend(seq, 2)
+    rows = random_rows(8, 2, WIDTH)
+    s0 = pool.stats()
+    on_cpu = [a for a in addrs if int(pool.residency(0, addr_tensor([a]))[0]) < 0]
+    assert_same_as_references(pool, 0, addr_tensor(on_cpu[:2]).view(1, 2), NewRows(0, new, rows))
+    model.record(0, new, rows)
+    assert not set(new.tolist()) & set(copies(pool, 0))
+    d = deltas(s0, pool.stats())
+    assert d["bytes_out"] == (d["victims"] - d["clean_evictions"]) * row_bytes(pool, 0)
+    assert_reads(pool, model, addrs + new.tolist())
+
+
+def test_many_new_tokens_span_chunks_and_a_repeat_across_chunks_is_refused() -> None:
+    """1,100 new tokens (two chunks of the claim) with a selection naming one in the second chunk:
+    kernels and references agree; the same address twice among the new, in different chunks, is
+    refused."""
+    pool = tiered(ExactLRU(), gpu=1200, cpu=1300)
+    model = RowModel(WIDTH)
+    seq = pool.admit(50)
+    addrs = seq.addresses.tolist()
+    fill(pool, model, addrs, seed=9)
+    new = pool.extend(seq, 1100)
+    rows = random_rows(10, 1100, WIDTH)
+    twice = new.clone()
+    twice[1050] = twice[3]
+    expect_rejected(
+        pool,
+        InvalidAddressError,
+        lambda: pool.prepare(0, addr_tensor(addrs[:3]).view(1, 3), new=NewRows(0, twice, rows)),
+        addrs,
+    )
+    sel = addr_tensor([addrs[0], int(new[1070]), -1, addrs[7]]).view(2, 2)
+    slots = assert_same_as_references(pool, 0, sel, NewRows(0, new, rows))
+    model.record(0, new, rows)
+    assert int(slots[0, 1]) == int(pool.residency(0, new[1070:1071])[0])
+    assert_reads(pool, model, addrs + new.tolist())
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_describe_names_each_new_tokens_copy(policy) -> None:
+    """``TransferPlan.describe()`` of a one-plan call: positions count in the plan's addresses (the
+    new tokens first), the new tokens are the first misses, each with the row its copy takes, and
+    the selection's misses take none."""
+    pool = tiered(policy, gpu=4, cpu=40)
+    model = RowModel(WIDTH)
+    seq = pool.admit(8)
+    addrs = seq.addresses.tolist()
+    fill(pool, model, addrs, seed=1)
+    on_cpu = [a for a in addrs if int(pool.residency(0, addr_tensor([a]))[0]) < 0]
+    new = pool.extend(seq, 2)
+    plan = pool.plan(0, addr_tensor(on_cpu[:2]).view(1, 2), new=NewRows(0, new, random_rows(2, 2, WIDTH)))
+    moves = plan.describe()
+    assert moves["position"].tolist() == [0, 1, 2, 3]
+    assert moves["address"].tolist() == [*new.tolist(), *on_cpu[:2]]
+    assert (moves["copy_row"][:2] >= 0).all() and (moves["copy_row"][2:] == -1).all()
+    pool.run(plan)
+    assert [copies(pool, 0)[a] for a in new.tolist()] == moves["copy_row"][:2].tolist()
+
+
+def test_a_repeat_among_the_new_is_refused_whichever_position_claims_first() -> None:
+    """On a GPU the claims of one address race; the interpreter runs the lower position first. A
+    claim word planted as if the later position had claimed first: a repeat among the new tokens
+    is still refused, and a selection's occurrence of a new token that claimed first is not a
+    repeat."""
+    pool, model, seq, addrs = loaded()
+    new = pool.extend(seq, 3)
+    epoch = int(pool._state.ctl[int(K.E_EPOCH)])
+    key = lambda pos: (epoch << 32) | (int(K.POS_MASK) - pos)
+    twice = new.clone()
+    twice[2] = twice[0]  # positions 0 and 2 among the new
+    pool._state.claim[int(twice[0])] = key(2)  # position 2 claimed first
+    expect_rejected(
+        pool,
+        InvalidAddressError,
+        lambda: pool.prepare(
+            0, addr_tensor(addrs[:1]).view(1, 1), new=NewRows(0, twice, random_rows(3, 3, WIDTH))
+        ),
+        addrs,
+    )
+    epoch = int(pool._state.ctl[int(K.E_EPOCH)])
+    sel = addr_tensor([addrs[0], int(new[1])]).view(1, 2)  # element 3 + 1 = position 4 names new[1]
+    pool._state.claim[int(new[1])] = key(3 + 1)  # the selection's occurrence claimed first
+    rows = random_rows(4, 3, WIDTH)
+    pool.prepare(0, sel, new=NewRows(0, new, rows))
+    model.record(0, new, rows)
+    assert_reads(pool, model, addrs + new.tolist())
+
+
+def test_the_adapter_refuses_more_new_tokens_than_it_reserved() -> None:
+    """``SparseKV`` reserves scratch for a new token a query position of ``max_batch``: more would
+    take scratch of their own at every step (a captured step must not), so they are refused."""
+    pool, _model, seq, addrs = loaded()
+    kv = SparseKV(pool, max_batch=2, top_k=2)
+    new = pool.extend(seq, 3)
+    expect_rejected(
+        pool,
+        InvalidInputError,
+        lambda: kv.prepare(
+            0, addr_tensor(addrs[:2]).view(1, 2), new=NewRows(0, new, random_rows(1, 3, WIDTH))
+        ),
+        addrs,
+    )
+    kv.prepare(0, addr_tensor(addrs[:2]).view(1, 2), new=NewRows(0, new[:2], random_rows(1, 2, WIDTH)))

@@ -143,26 +143,27 @@ class PoolFrame(abc.ABC):
             got = addrs.dtype if isinstance(addrs, torch.Tensor) else type(addrs).__name__
             raise InvalidInputError(f"{what}: addrs must be an int32 or int64 tensor, got {got}")
 
-    def _check_write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
-        """A write's layer, addresses (int32/int64 ``[n]``) and rows (uint8 ``[n, bytes]``)."""
+    def _check_write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor, what: str = "write") -> None:
+        """A write's layer, addresses (int32/int64 ``[n]``) and rows (uint8 ``[n, bytes]``); ``what``
+        names the call in the errors (a prepare's new rows are checked the same way)."""
         self._check_layer(layer)
-        self._need_kernels("write")
-        self._check_addresses("write", addrs)
+        self._need_kernels(what)
+        self._check_addresses(what, addrs)
         if addrs.dim() != 1:
-            raise InvalidInputError(f"write: addrs must be 1-D, got shape {tuple(addrs.shape)}")
+            raise InvalidInputError(f"{what}: addrs must be 1-D, got shape {tuple(addrs.shape)}")
         width = self.config.entry.bytes_per_layer
         if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8:
             got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
             raise InvalidInputError(
-                f"write: rows must be uint8 [n, {width}] (view other dtypes with .view(torch.uint8)), "
+                f"{what}: rows must be uint8 [n, {width}] (view other dtypes with .view(torch.uint8)), "
                 f"got {got}"
             )
         if rows.shape != (addrs.numel(), width):
             raise InvalidInputError(
-                f"write: rows must have shape ({addrs.numel()}, {width}), got {tuple(rows.shape)}"
+                f"{what}: rows must have shape ({addrs.numel()}, {width}), got {tuple(rows.shape)}"
             )
-        self._check_device("write: addrs", addrs)
-        self._check_device("write: rows", rows)
+        self._check_device(f"{what}: addrs", addrs)
+        self._check_device(f"{what}: rows", rows)
 
     def _check_seq(self, seq: Sequence) -> None:
         if not isinstance(seq, Sequence) or seq.pool_id != self._id:

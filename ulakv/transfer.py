@@ -86,7 +86,8 @@ class TransferPlan:
     def describe(self) -> dict[str, torch.Tensor]:
         """The plan's moves as host tensors, read from the plan itself (``ulakv.kernels.decide``):
         exactly what ``run`` will do (synchronises; for tests and debugging; before the plan
-        commits). Per miss, in the plan's order: its selection position, address, source home
+        commits). Per miss, in the plan's order: its position in ``addresses`` (a one-plan call's
+        new tokens first), address, source home
         (mapping value), destination GPU slot (-1: none), the CPU row it pops for its victim or
         itself (``cpu_row``, -1: none), whether its victim goes back to its copy, a free row that
         still holds its bytes, with no bytes moved (``clean``), and the CPU row its victim's entry

@@ -110,9 +110,10 @@ class SparseKV:
     def prepare(self, group: int, topk: torch.Tensor, *, new: NewRows | None = None) -> GroupStep:
         """Plan ``group``'s moves for the selection ``topk`` (``[B, K]`` or ``[B, Q, K]``, -1
         padding) and start them; returns the step's slots and per-layer readiness. ``new``: the
-        step's new tokens' rows of one of the group's layers, planned with the selection (one
-        plan, where :meth:`write` then ``prepare`` plan twice); their rows are in place when the
-        layer's are."""
+        step's new tokens' rows of one of the group's layers (at most ``max_batch x max_queries``),
+        planned with the selection (one plan, where :meth:`write` then ``prepare`` plan twice);
+        their rows are in place when the layer's are. Like ``topk``, ``new``'s tensors are read
+        on the group's stream: reuse them only after the step's layers are ready."""
         shape = tuple(topk.shape) if isinstance(topk, torch.Tensor) else None
         if shape is not None and topk.dim() in (2, 3):
             B, K = shape[0], shape[-1]
@@ -122,6 +123,16 @@ class SparseKV:
                     f"SparseKV.prepare: selection {shape} exceeds the adapter's bounds "
                     f"(batch {self.max_batch}, queries {self.max_queries}, top_k {self.top_k})"
                 )
+        room = self.max_batch * self.max_queries  # the new tokens the reserved scratch holds
+        if (
+            isinstance(new, NewRows)
+            and isinstance(new.addresses, torch.Tensor)
+            and new.addresses.numel() > room
+        ):
+            raise InvalidInputError(
+                f"SparseKV.prepare: {new.addresses.numel()} new tokens exceed the adapter's bound "
+                f"(batch {self.max_batch} x queries {self.max_queries})"
+            )
         pool = self.pool
         out = self._slots[group] if 0 <= group < pool.num_groups else self._slots[0]
         extra = () if new is None else (new.addresses, new.rows)

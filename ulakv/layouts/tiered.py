@@ -253,7 +253,7 @@ class TieredPool(PoolFrame):
         and return their slots. Starts a new round for ``group``. ``new`` (a layer of the group):
         the step's new tokens' rows, written in the same plan (``write`` and ``prepare`` in one
         call: the new tokens' homes and the selection's misses decided together)."""
-        plan = self.plan(group, topk, new=new)
+        plan = self.plan(group, topk, new=new)  # (new rows with an empty selection: a plan of theirs)
         if plan is not None:
             self.run(plan)
             slots = plan.slots
@@ -278,7 +278,8 @@ class TieredPool(PoolFrame):
         memory: offsets, strides and alignment are the pool's concern (``ulakv.kernels.operands``).
         ``new``: new tokens' rows planned with the selection (see :meth:`prepare`); their addresses
         must have no home yet and appear once among themselves (the selection may name them),
-        else the call is refused like a write's duplicate, changing nothing."""
+        else the call is refused like a write's duplicate, changing nothing. With ``new``, an empty
+        selection still plans (the new tokens alone)."""
         self._check_group(group)
         self._need_kernels("prepare")
         if not isinstance(topk, torch.Tensor):
@@ -302,9 +303,7 @@ class TieredPool(PoolFrame):
         self._finish_pending()
         if new is not None and new.addresses.numel() == 0:
             new = None
-        if topk.numel() == 0:
-            if new is not None:  # the rows still go in: a write of them
-                self.write(new.layer, new.addresses, new.rows)
+        if topk.numel() == 0 and new is None:
             return None
         return self._plan("prepare", group, topk, out=out, new=new)
 
@@ -312,7 +311,7 @@ class TieredPool(PoolFrame):
         """A prepare's new rows: a ``NewRows`` of one of the group's layers, checked as a write's."""
         if not isinstance(new, NewRows):
             raise InvalidInputError(f"prepare: new must be a NewRows, got {type(new).__name__}")
-        self._check_write(new.layer, new.addresses, new.rows)
+        self._check_write(new.layer, new.addresses, new.rows, what="prepare: new")
         if self.config.group_of(new.layer) != group:
             raise InvalidInputError(
                 f"prepare: new rows are of layer {new.layer}, not a layer of group {group} "

@@ -556,8 +556,8 @@ class TieredLayout:
             T = n_new + selection.numel()
             scratch = self.scratch(T, group)
             flat = scratch.indices[:T]
-            flat[:n_new].copy_(new.addresses.reshape(-1))
-            flat[n_new:].copy_(selection.reshape(-1))
+            flat[:n_new].copy_(new.addresses)
+            flat[n_new:].view(selection.shape).copy_(selection)  # any strides, no temporary
             rows, layer = new.rows, new.layer
         else:
             flat = operands.readable_indices(selection)
@@ -565,8 +565,9 @@ class TieredLayout:
                 flat = operands.detached(flat, out)
             T = flat.numel()
             scratch = self.scratch(T, group)
-        if rows is not None:  # rows that view the very rows this call may move
-            rows = operands.detached(operands.readable_rows(rows), st.gpu_data, st.cpu_data)
+        if rows is not None:  # rows that view the very rows (or slots) this call may write
+            written = (st.gpu_data, st.cpu_data) if out is None else (st.gpu_data, st.cpu_data, out)
+            rows = operands.detached(operands.readable_rows(rows), *written)
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
         launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width, n_new)
