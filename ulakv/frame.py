@@ -65,7 +65,8 @@ class NewRows:
     ``layer`` (of the prepared group) of the addresses ``addresses`` (int32/int64 ``[n]``, ``-1``
     padding, none homed yet) is ``rows`` (uint8 ``[n, bytes_per_layer]``, any view). One plan
     decides their homes and the selection's misses together: the write and the prepare of a
-    layer in one call, with the same guarantees as the two."""
+    layer in one call, with the same guarantees as the two. The new tokens count toward the
+    prepare's ``max_selection`` (all are on the GPU once it has run)."""
 
     layer: int
     addresses: torch.Tensor
