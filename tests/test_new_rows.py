@@ -24,7 +24,7 @@ from test_clean_evictions import tiered as tiered_pool
 
 from ulakv import ExactLRU, NewRows
 from ulakv.engine import SparseKV
-from ulakv.errors import InvalidAddressError, InvalidInputError
+from ulakv.errors import CapacityError, InvalidAddressError, InvalidInputError
 from ulakv.kernels import apply as apply_mod
 from ulakv.kernels import common as K
 from ulakv.layouts.tiered_state import REFERENCE
@@ -486,3 +486,21 @@ def test_the_adapter_refuses_more_new_tokens_than_it_reserved() -> None:
         addrs,
     )
     kv.prepare(0, addr_tensor(addrs[:2]).view(1, 2), new=NewRows(0, new[:2], random_rows(1, 2, WIDTH)))
+
+
+def test_max_selection_counts_the_new_tokens() -> None:
+    """Four GPU slots: three selected entries and two new tokens cannot all be on the GPU at once,
+    so the one plan is refused, changing nothing; three and one fit."""
+    pool, model, seq, addrs = loaded()
+    new = pool.extend(seq, 2)
+    sel = addr_tensor(addrs[:3]).view(1, 3)
+    expect_rejected(
+        pool,
+        CapacityError,
+        lambda: pool.prepare(0, sel, new=NewRows(0, new, random_rows(1, 2, WIDTH))),
+        addrs,
+    )
+    rows = random_rows(2, 1, WIDTH)
+    pool.prepare(0, sel, new=NewRows(0, new[:1], rows))
+    model.record(0, new[:1], rows)
+    assert_reads(pool, model, addrs + new[:1].tolist())
