@@ -334,7 +334,10 @@ class PoolConfig:
     ids): addresses are the ints ``[0, engine_addresses)``, which the engine makes live with
     ``admit_addresses`` and gives back with ``release_addresses`` (at most ``layout.capacity`` live at
     once), and the pool's own ``admit``/``extend``/``release`` are refused. ``None`` (the default):
-    the pool hands out addresses itself. Tiered and Replicated layouts only.
+    the pool hands out addresses itself. Tiered and Replicated layouts, and ``Striped(attention=
+    "local")``: one address space over the ranks, address ``a`` homed on rank ``a % world`` at local
+    address ``a // world`` (SGLang's decode context parallelism keeps token slot ``s`` the same way),
+    each rank's tier large enough for its share (``inner.capacity >= ceil(engine_addresses / world)``).
 
     ``page_size`` rounds each layer's GPU rows (the slots and the dummy row) up to a multiple of it,
     so ``paged_buffer(layer)`` views them as a paged KV cache ``[pages, page_size, 1, bytes]`` with no
@@ -379,10 +382,22 @@ class PoolConfig:
             )
         if self.engine_addresses is not None:
             _check_int("PoolConfig.engine_addresses", self.engine_addresses, 1)
-            if not isinstance(self.layout, (Tiered, Replicated)):
+            local = isinstance(self.layout, Striped) and self.layout.local
+            if not isinstance(self.layout, (Tiered, Replicated)) and not local:
                 raise ConfigError(
                     "PoolConfig.engine_addresses needs a Tiered or Replicated layout (an engine-owned "
-                    f"address space per rank), got {type(self.layout).__name__}"
+                    'address space per rank) or Striped(attention="local") (one space over the ranks), '
+                    f"got {type(self.layout).__name__}"
+                    + (' (attention="fetch")' if isinstance(self.layout, Striped) else "")
+                )
+            if local and self.layout.inner.capacity < -(-self.engine_addresses // self.layout.world):
+                # Every rank decides every refusal alike from the same books; a rank that could run
+                # out of homes before the engine runs out of addresses would refuse alone.
+                raise ConfigError(
+                    f"Striped with engine_addresses={self.engine_addresses} over {self.layout.world} "
+                    f"ranks homes up to {-(-self.engine_addresses // self.layout.world)} addresses a "
+                    f"rank, more than inner.capacity = {self.layout.inner.capacity} (gpu_slots + "
+                    "cpu_slots): size each rank's tier for its share of the engine's addresses"
                 )
             if self.engine_addresses >= 2**31:
                 raise ConfigError(

@@ -28,23 +28,25 @@ from __future__ import annotations
 
 import datetime
 import itertools
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
+from ..address_space import FREE, UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import PoolConfig, Striped, Tiered
 from ..deferred import DeferredStatus
-from ..errors import CollectiveError, InvalidAddressError, InvalidInputError, UlakvError
+from ..errors import CollectiveError, InvalidAddressError, InvalidInputError, InvariantError, UlakvError
 from ..frame import PoolFrame, Selection, debug_enabled, refusal, validates
 from ..invariants import check_invariants
 from ..kernels import common as K
+from ..kernels import engine_addresses as engine_mod
 from ..kernels import release as release_mod
 from ..kernels.operands import detached, readable_indices
 from .census import Census, CensusState, hand_to
 from .row_exchange import RowExchange, all_gather
 from .tiered import TieredPool
-from .tiered_state import BufferState, TieredLayout
+from .tiered_state import BufferState, TieredLayout, report_word
 
 _ids = itertools.count(1 << 20)
 
@@ -73,8 +75,16 @@ class StripedPool(PoolFrame):
         self._offset = S + 1  # buffer slot b is row S + 1 + b of gpu_buffer(layer)
         rows = S + 1 if self.local else S + 1 + B + 1
         self._rows = torch.zeros((L, rows, width), dtype=torch.uint8, device=self.device)
+        # Engine-owned addresses (local mode only): ``[0, N)`` over the ranks; this rank's slice
+        # owns the local addresses ``a // world`` of those homed here, as an engine-owned pool too.
+        self._engine_n = config.engine_addresses
+        engine = self._engine_n is not None
+        self._addresses = self._engine_n if engine else lay.capacity  # the global address range
+        inner_engine = -(-self._engine_n // lay.world) if engine else None
         self.inner = TieredPool(
-            config.replace(layout=lay.inner), _gpu_data=self._rows[:, : S + 1], _owned=True
+            config.replace(layout=lay.inner, engine_addresses=inner_engine),
+            _gpu_data=self._rows[:, : S + 1],
+            _owned=True,
         )
         self._buffer: BufferState | None = None
         self._exchange: RowExchange | None = None
@@ -88,21 +98,102 @@ class StripedPool(PoolFrame):
             self._exchange = RowExchange(
                 lay.world, lay.rank, lay.fetch_width, config.layers_per_group, width, self.device
             )
-        self._live = torch.zeros(lay.capacity, dtype=torch.bool, device=self.device)  # admitted addresses
-        self._census_state = CensusState(lay.world, lay.rank, lay.capacity, self.device)
+        # Admitted addresses, and one dummy flag past them (an engine admit marks a refused or padded
+        # address there, so that marking needs no host decision).
+        self._live_flags = torch.zeros(self._addresses + 1, dtype=torch.bool, device=self.device)
+        self._live = self._live_flags[: self._addresses]
+        self._census_state = CensusState(lay.world, lay.rank, self._addresses, self.device)
         self._allocator = LogicalAllocator(lay.capacity)
         self._id = next(_ids)
         self._debug = debug_enabled()
         self._validate = validates(config, self._debug)
         # This pool's own control words: only E_PENDING is used, the refusals not raised yet.
         self._ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64, device=self.device)
-        # A refused call's inner plan reports it (census bits included): this pool reads that word.
-        self._deferred = DeferredStatus([st.report for st in self.inner._layout.contexts], [self._ctl])
+        # The books of engine-owned addresses, the same on every rank: which global addresses are
+        # live (an int32 word each, FREE or not), the check's stamps (int64 each) and its count. An
+        # admit or release is checked against them whole, so every rank refuses it alike, before
+        # its slice takes the part homed here.
+        self._books: SimpleNamespace | None = None
+        reports = [st.report for st in self.inner._layout.contexts]
+        if engine and self.device.type != "meta":
+            n = self._engine_n
+            # One word past the addresses: a release frees its addresses there without a host
+            # decision (what it refused, or padding, frees the dummy).
+            self._book_words = torch.full((n + 1,), FREE, dtype=torch.int32, device=self.device)
+            self._books = SimpleNamespace(
+                mapping=self._book_words[:n].view(1, n),
+                claim=torch.zeros(n, dtype=torch.int64, device=self.device),
+                live=torch.zeros(1, dtype=torch.int64, device=self.device),
+                ctl=self._ctl,
+                report=report_word(self.device),
+                num_addresses=n,
+                num_groups=1,
+            )
+            reports.append(self._books.report)
+        # A refused call's inner plan reports it (census bits included), and so does a refused
+        # engine admit or release: this pool reads those words.
+        self._deferred = DeferredStatus(reports, [self._ctl])
         self._seq_ids = itertools.count()
         self.bytes_received = 0  # bytes the fetches' all-gathers brought from other ranks, padding included
         self._bytes_needed = torch.zeros(1, dtype=torch.int64, device=self.device)  # ... that carried a miss
         self.collectives = 0
         self._broken: str | None = None  # why a prepare stopped half-way, if one did
+
+    # -- engine-owned addresses ------------------------------------------------------------------
+    def admit_addresses(self, addrs: torch.Tensor) -> None:
+        """Make the engine's addresses ``addrs`` (int32/int64 ``[n]``, ``-1`` padding; the same on
+        every rank) live: each rank checks them all against its books (out of ``[0, N)``, already
+        live, given twice: refused on every rank alike, changing nothing) and its slice takes those
+        homed on it (local addresses ``a // world``), with no home until written or selected. No
+        collective, no host sync: a non-validating pool raises a refusal at a later call."""
+        self._engine_call("admit_addresses", addrs, admit=True)
+
+    def release_addresses(self, addrs: torch.Tensor) -> None:
+        """Give back the engine's addresses ``addrs`` (``-1`` padding; the same on every rank): their
+        homes on this rank are freed and they are no longer live. Refused alike on every rank if one
+        is out of range, not live, or given twice."""
+        self._engine_call("release_addresses", addrs, admit=False)
+
+    def _engine_call(self, what: str, addrs: torch.Tensor, admit: bool) -> None:
+        if self._engine_n is None:
+            raise InvalidInputError(
+                f"{what}: this pool hands out its own addresses; set PoolConfig.engine_addresses to let "
+                "the engine own them"
+            )
+        self._need_kernels(what)
+        self._check_usable()
+        self._check_addresses(what, addrs)
+        if addrs.dim() != 1:
+            raise InvalidInputError(f"{what}: addrs must be 1-D, got shape {tuple(addrs.shape)}")
+        self.inner._check_device(f"{what}: addrs", addrs)
+        self._raise_refused()
+        if addrs.numel() == 0:
+            return
+        flat = readable_indices(addrs)
+        books = self._books
+        engine_mod.engine_addresses(flat, books, books.live, self._addresses, admit=admit)
+        if self._validate:
+            status = int(books.ctl[int(K.E_LAST_STATUS)])
+            if status:
+                self._ctl[int(K.E_PENDING)] = 0
+                self._deferred.take()  # raised here: not again later
+                raise self._status_error(what, status, None)
+        # What passed the check, on the device: the rest (padding, or all of a refused call) is
+        # -1 for the slice and marks the dummy flag.
+        passed = (books.ctl[int(K.E_LAST_STATUS)] == 0) & (flat >= 0)
+        a = flat.long()
+        marked = torch.where(passed, a, self._addresses)
+        self._live_flags.index_fill_(0, marked, admit)
+        self._live_flags[self._addresses] = False
+        if not admit:  # the check's kernel counted them out; an admit's marked them live
+            self._book_words.index_fill_(0, marked, FREE)
+        mine = passed & (a % self.world == self.rank)
+        local = torch.where(mine, a // self.world, -1).to(torch.int32)
+        if admit:
+            self.inner.admit_addresses(local)
+        else:
+            self.inner.release_addresses(local)
+        self._after_call()
 
     # -- shape (capacity, free_addresses, num_groups: PoolFrame) --------------------------------
     def group_layers(self, group: int) -> range:
@@ -115,7 +206,28 @@ class StripedPool(PoolFrame):
         return self._rows[layer]
 
     # -- admission -------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Addresses live at once: every rank's slice together, or the engine's address range."""
+        return self._addresses
+
+    @property
+    def free_addresses(self) -> int:
+        if self._books is not None:
+            return self._addresses - int(self._books.live[0])  # a read-back: stats only
+        if self._engine_n is not None:
+            return self._addresses  # a meta pool holds no books
+        return self._allocator.free
+
+    def _pool_owned(self, what: str) -> None:
+        if self._engine_n is not None:
+            raise InvalidInputError(
+                f"{what}: this pool's addresses belong to the engine (PoolConfig.engine_addresses); "
+                "use admit_addresses / release_addresses"
+            )
+
     def admit(self, num_tokens: int) -> Sequence:
+        self._pool_owned("admit")
         self._check_usable()
         seq = Sequence(self._id, next(self._seq_ids), _device=self.device)
         self._home(seq, self._allocator.take(num_tokens))
@@ -123,6 +235,7 @@ class StripedPool(PoolFrame):
         return seq
 
     def extend(self, seq: Sequence, num_tokens: int = 1) -> torch.Tensor:
+        self._pool_owned("extend")
         self._check_seq(seq)
         self._check_usable()
         new = self._home(seq, self._allocator.take(num_tokens))
@@ -154,6 +267,7 @@ class StripedPool(PoolFrame):
         return new
 
     def release(self, seq: Sequence) -> None:
+        self._pool_owned("release")
         self._check_seq(seq)
         self._check_usable()
         local = self._local(seq._runs)
@@ -362,6 +476,22 @@ class StripedPool(PoolFrame):
         self.inner.check_invariants()
         if self._buffer is not None:
             check_invariants(self._buffer, self._allocator)
+        if self._books is not None:
+            self._check_books()
+
+    def _check_books(self) -> None:
+        """Engine-owned addresses: the census's liveness flags, the books' words and count, and the
+        slice's live local addresses all name the same addresses."""
+        live = self._books.mapping[0] != FREE
+        if not torch.equal(live, self._live) or bool(self._live_flags[self._addresses]):
+            raise InvariantError(f"rank {self.rank}: the liveness flags disagree with the books")
+        if int(self._books.live[0]) != int(live.sum()):
+            counted = int(self._books.live[0])
+            raise InvariantError(f"rank {self.rank}: the books count {counted} live addresses")
+        homed = torch.nonzero(live).flatten()
+        homed = homed[homed % self.world == self.rank] // self.world
+        if not torch.equal(self.inner.live_addresses().cpu(), homed.cpu()):
+            raise InvariantError(f"rank {self.rank}: the slice's live addresses are not those homed here")
 
     # -- refusals --------------------------------------------------------------------------------
     def _raise_refused(self) -> None:

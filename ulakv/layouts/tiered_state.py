@@ -54,7 +54,7 @@ class _Tensors:
         return type(self)(**{k: v.clone() for k, v in self.tensors().items()})
 
 
-def _report_word(device: torch.device) -> torch.Tensor:
+def report_word(device: torch.device) -> torch.Tensor:
     """The word a refused call's kernel reports to (``kernels.common.report_refusal``): host memory
     mapped for the device beside a GPU, so the host reads it with no copy and no wait."""
     if device.type == "meta":
@@ -165,7 +165,7 @@ class TieredState(_Tensors):
             cpu_data=host_memory.allocate_tier((L, C + 1, B), pin=pin)
             if device.type != "meta"
             else torch.empty((L, C + 1, B), dtype=torch.uint8, device=device),
-            report=_report_word(device),
+            report=report_word(device),
         )
         state.ctl[int(K.E_EPOCH)] = 1
         state.ctl[int(K.E_MAX_SELECTION)] = layout.max_selection
@@ -209,7 +209,7 @@ class TieredState(_Tensors):
             stats=torch.zeros_like(self.stats),
             claim=torch.zeros_like(self.claim),
             mark=torch.zeros_like(self.mark),
-            report=_report_word(self.ctl.device),
+            report=report_word(self.ctl.device),
         )
 
     @property

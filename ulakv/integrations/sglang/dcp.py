@@ -1,0 +1,101 @@
+"""Decode context parallelism over an exclusive CPU tier: the page table SGLang's DCP attention reads,
+made by a rank's local-mode pool.
+
+SGLang's DCP keeps token slot ``s`` on rank ``s % dcp`` at row ``s // dcp`` of that rank's KV pool.
+Before attention, it *localises* the page table (the global slots a step's top-k selects, ``[rows,
+topk]`` int32, ``-1`` padding) with ``transform_index_page_table_dcp``: for every row, ``s // dcp`` of
+the slots homed on this rank, packed to the front in the row's order, ``-1`` after, and the count
+(``sparse_mla_top_k_lens``). Each rank attends over its part; SGLang merges the parts by their LSE.
+
+Here the same rule places the entries (``Striped(attention="local")`` with the engine's slots as
+addresses: ``PoolConfig.engine_addresses``), but a rank's rows live in its own pool, GPU and CPU, one
+home each. A localisation is the pool's ``prepare`` of the page table (the entries homed here brought
+to the GPU, victims to this rank's CPU tier; the others ``-1``; no collective) and ``compact_slots``:
+the rank's GPU slots of its entries, packed in the row's order, and the counts, in the shapes and
+dtypes SGLang passes to its attention (``block_tables``: rows of ``gpu_buffer(layer)``, or of
+``paged_buffer(layer)`` viewed as FlashMLA's pages). What attention reads through them is, row for
+row and in the same order, what it reads from SGLang's dense sharded pool
+(``tests/test_sglang_dcp.py``, with SGLang's own kernel as the oracle).
+
+Layers that share a top-k share a layer group (``PoolConfig.layers_per_group``): their selection is
+prepared once, for the group's first layer, and the later layers read the same tables, as SGLang's
+``DcpPageTableCache`` reuses one localisation across layers that reuse the previous layer's top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import InvalidInputError
+from ...frame import PoolFrame
+from ...kernels.compact import compact_slots
+
+
+@dataclass
+class LocalPageTable:
+    """One localisation: ``block_table`` int32 ``[rows, topk]`` (this rank's GPU slots, packed, then
+    -1) and ``counts`` int32 ``[rows]``; for ``group``, from the page table ``source`` of the step
+    ``step`` (what a later layer of the group compares to reuse it)."""
+
+    group: int
+    block_table: torch.Tensor
+    counts: torch.Tensor
+    source: torch.Tensor
+    step: object
+
+
+class DcpLocalizer:
+    """A rank's localisations of SGLang page tables through its local-mode pool.
+
+    ``pool`` is this rank's ``Pool`` over ``Striped(attention="local")`` with engine-owned
+    addresses (SGLang's token slots). ``localize(layer, page_table, step=...)`` returns the block
+    table and counts for ``layer``; the first layer of a group prepares, a later layer of the same
+    group with the same page table tensor and ``step`` object (SGLang's forward metadata) reuses
+    them. Pass ``out``/``counts`` buffers from a CUDA-graph-captured step."""
+
+    def __init__(self, pool: PoolFrame) -> None:
+        layout = pool.config.layout
+        if not getattr(layout, "local", False) or pool.config.engine_addresses is None:
+            raise InvalidInputError(
+                'DcpLocalizer needs a Striped(attention="local") pool over engine-owned addresses '
+                "(PoolConfig.engine_addresses: the engine's token slots)"
+            )
+        self.pool = pool
+        self.dcp_size, self.dcp_rank = layout.world, layout.rank
+        self.last: LocalPageTable | None = None
+        self.prepares = 0
+
+    def localize(
+        self,
+        layer: int,
+        page_table: torch.Tensor,
+        *,
+        step: object = None,
+        out: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``page_table`` int32 ``[rows, topk]``: global token slots, -1 padding (the same on every
+        rank). Returns ``(block_table, counts)`` as SGLang's ``localize_dcp_page_table`` does, with
+        this rank's GPU slots in place of its dense rows."""
+        group = self.pool.config.group_of(layer)
+        last = self.last
+        if (
+            last is not None
+            and last.group == group
+            and last.source is page_table
+            and last.step is step
+            and step is not None
+        ):
+            return last.block_table, last.counts
+        if page_table.dim() != 2 or page_table.dtype != torch.int32:
+            raise InvalidInputError(
+                f"localize: page_table must be int32 [rows, topk], got {page_table.dtype} "
+                f"{tuple(page_table.shape)}"
+            )
+        slots = self.pool.prepare(group, page_table).slots
+        block_table, found = compact_slots(slots, out=out, counts=counts)
+        self.prepares += 1
+        self.last = LocalPageTable(group, block_table, found, page_table, step)
+        return block_table, found
