@@ -54,7 +54,7 @@ def concurrency(trace: Trace) -> tuple[int, int]:
     return alive, largest
 
 
-def rows(trace: Trace, backend: str) -> list[dict]:
+def rows(trace: Trace, backend: str, buckets: int = 8) -> list[dict]:
     """Each capacity's baseline, then each policy with write copies and without (before)."""
     working = trace.working_set()
     alive, per_request = concurrency(trace)
@@ -82,7 +82,7 @@ def rows(trace: Trace, backend: str) -> list[dict]:
         out.append(
             dict(x=x, slots=slots, system="CPU offload", result=base, before=None, base=base, fused=None)
         )
-        for policy, name in ((ExactLRU(), "ulakv exact LRU"), (PBLRU(8), "ulakv PB-LRU(8)")):
+        for policy, name in ((ExactLRU(), "ulakv exact LRU"), (PBLRU(buckets), f"ulakv PB-LRU({buckets})")):
             result = replay(trace, policy, slots, **kw)
             old = Tiered(gpu_slots=slots, cpu_slots=total, policy=policy, write_copies=False)
             before = replay(trace, policy, slots, layout=old, **kw)
@@ -151,11 +151,15 @@ def describe(spec: SyntheticSpec, trace: Trace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("model", "pool"), default="model")
+    parser.add_argument("--buckets", type=int, default=8, help="PB-LRU's buckets (recency in rounds)")
+    parser.add_argument("--trace", choices=("A", "B", "both"), default="both")
     args = parser.parse_args()
-    for spec in (SPEC, SMALL_SPEC):
+    for name, spec in (("A", SPEC), ("B", SMALL_SPEC)):
+        if args.trace not in (name, "both"):
+            continue
         trace = synthetic(spec)
         print(describe(spec, trace))
-        print(table(rows(trace, args.backend)), flush=True)
+        print(table(rows(trace, args.backend, args.buckets)), flush=True)
 
 
 if __name__ == "__main__":
