@@ -98,9 +98,11 @@ def _dcp_against_sglang(rank: int, world: int, policy_name: str, seed: int) -> d
         admit_and_write(new)
         for slots, token in zip(requests, new, strict=True):
             slots.append(token)
+        metadata = object()  # SGLang's forward metadata: one object a step, every group
+        table = _page_table(requests, gen)
         for group in range(LAYERS // PER_GROUP):
-            table = _page_table(requests, gen)
-            metadata = object()  # SGLang's forward metadata: one object a step
+            if step % 2 == 0 or group == 0:  # odd steps: both groups select through one tensor
+                table = _page_table(requests, gen)
             for layer in range(group * PER_GROUP, (group + 1) * PER_GROUP):
                 block, counts = localizer.localize(layer, table, step=metadata)
                 want_block, want_counts = transform(table, world, rank)
@@ -203,3 +205,30 @@ def test_a_deferred_refusal_and_fixed_buffers() -> None:
     found = run_ranks(_deferred, 2)
     assert [f[0] for f in found] == ["8", "8"]  # 9 was not admitted
     assert sum(f[1] for f in found) == 7  # every valid slot on exactly one rank
+
+
+def _refilled(rank: int, world: int) -> list[list[int]]:
+    """A page table refilled in place for the next step, with the same metadata object (a static
+    buffer of a captured step): the next step prepares again from the group's first layer."""
+    pool = ulakv.Pool(_config(world, rank, ExactLRU()))
+    localizer = DcpLocalizer(pool)
+    pool.admit_addresses(torch.arange(16))
+    for layer in range(LAYERS):
+        pool.write(layer, torch.arange(16), torch.arange(16 * WIDTH, dtype=torch.uint8).view(16, WIDTH))
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    metadata = object()
+    seen = []
+    for fill in ([0, 1, 2, 3], [8, 9, 10, 11]):
+        table.copy_(torch.tensor([fill], dtype=torch.int32))
+        for layer in range(PER_GROUP):
+            block, counts = localizer.localize(layer, table, step=metadata)
+            rows = pool.gpu_buffer(layer)[block[0, : int(counts[0])].long()]
+            seen.append(rows[:, 0].tolist())
+    assert localizer.prepares == 2
+    return seen
+
+
+def test_a_page_table_refilled_in_place_is_prepared_again() -> None:
+    for rank, seen in enumerate(run_ranks(_refilled, 2)):
+        mine = [[a * WIDTH % 256 for a in fill if a % 2 == rank] for fill in ([0, 1, 2, 3], [8, 9, 10, 11])]
+        assert seen == [mine[0], mine[0], mine[1], mine[1]]

@@ -166,7 +166,9 @@ class StripedPool(PoolFrame):
         if addrs.dim() != 1:
             raise InvalidInputError(f"{what}: addrs must be 1-D, got shape {tuple(addrs.shape)}")
         self.inner._check_device(f"{what}: addrs", addrs)
-        self._raise_refused()
+        # No deferred refusal is raised here: on a GPU each rank learns of one when its report
+        # lands, and a rank that raised here would skip the admit the others make, so the books
+        # would part for good. The next prepare or write raises it (books stay alike).
         if addrs.numel() == 0:
             return
         flat = readable_indices(addrs)

@@ -36,9 +36,10 @@ from ...kernels.compact import compact_slots
 @dataclass
 class LocalPageTable:
     """One localisation: ``block_table`` int32 ``[rows, topk]`` (this rank's GPU slots, packed, then
-    -1) and ``counts`` int32 ``[rows]``; for ``group``, from the page table ``source`` of the step
-    ``step`` (what a later layer of the group compares to reuse it)."""
+    -1) and ``counts`` int32 ``[rows]``; for ``layer`` (of ``group``), from the page table ``source``
+    of the step ``step`` (what the next layer compares to reuse it)."""
 
+    layer: int
     group: int
     block_table: torch.Tensor
     counts: torch.Tensor
@@ -51,9 +52,12 @@ class DcpLocalizer:
 
     ``pool`` is this rank's ``Pool`` over ``Striped(attention="local")`` with engine-owned
     addresses (SGLang's token slots). ``localize(layer, page_table, step=...)`` returns the block
-    table and counts for ``layer``; the first layer of a group prepares, a later layer of the same
-    group with the same page table tensor and ``step`` object (SGLang's forward metadata) reuses
-    them. Pass ``out``/``counts`` buffers from a CUDA-graph-captured step."""
+    table and counts for ``layer``. As SGLang's ``localize_dcp_page_table`` reuses a localisation,
+    a call reuses the previous one only for the next layer (``layer == previous + 1``), of the same
+    group, with the same page table tensor and the same ``step`` object (SGLang's forward metadata,
+    not None); any other call prepares, so a page table refilled in place for the next step is
+    prepared again from the group's first layer. Pass ``out``/``counts`` buffers from a
+    CUDA-graph-captured step (a reused localisation is copied into them)."""
 
     def __init__(self, pool: PoolFrame) -> None:
         layout = pool.config.layout
@@ -83,12 +87,18 @@ class DcpLocalizer:
         last = self.last
         if (
             last is not None
+            and step is not None
+            and last.step is step
+            and last.layer == layer - 1
             and last.group == group
             and last.source is page_table
-            and last.step is step
-            and step is not None
         ):
-            return last.block_table, last.counts
+            last.layer = layer
+            if out is not None and out is not last.block_table:
+                out.copy_(last.block_table)
+            if counts is not None and counts is not last.counts:
+                counts.copy_(last.counts)
+            return (last.block_table if out is None else out), (last.counts if counts is None else counts)
         if page_table.dim() != 2 or page_table.dtype != torch.int32:
             raise InvalidInputError(
                 f"localize: page_table must be int32 [rows, topk], got {page_table.dtype} "
@@ -97,5 +107,5 @@ class DcpLocalizer:
         slots = self.pool.prepare(group, page_table).slots
         block_table, found = compact_slots(slots, out=out, counts=counts)
         self.prepares += 1
-        self.last = LocalPageTable(group, block_table, found, page_table, step)
+        self.last = LocalPageTable(layer, group, block_table, found, page_table, step)
         return block_table, found
