@@ -21,6 +21,7 @@ import torch
 
 from ulakv import CapacityError
 from ulakv.integrations.sglang import SGLangStore, StoreConfig, UlakvSparseCoordinator
+from ulakv.integrations.sglang.layer_groups import group_starts_from_skips
 from ulakv.integrations.sglang.wheel import load_transform_index, wheel_source
 
 BYTES = 16
@@ -133,18 +134,19 @@ def check_read(
 
 
 @pytest.mark.parametrize(
-    ("layers_per_group", "queries", "k", "seed"),
-    [(1, 1, 6, 0), (2, 1, 5, 1), (2, 2, 3, 2)],
-    ids=["g1-decode-k6", "g2-decode-k5", "g2-verify-q2-k3"],
+    ("layers", "groups", "queries", "k", "seed"),
+    [(2, 1, 1, 6, 0), (2, 2, 1, 5, 1), (2, 2, 2, 3, 2), (3, (False, False, True), 1, 5, 3)],
+    ids=["g1-decode-k6", "g2-decode-k5", "g2-verify-q2-k3", "skip-topk-1-2-decode-k5"],
 )
 def test_decode_loop_through_sglang_transform(
-    transform, layers_per_group: int, queries: int, k: int, seed: int
+    transform, layers: int, groups: int | tuple[bool, ...], queries: int, k: int, seed: int
 ):
     """8+ requests with shared prefixes arrive and leave over 20 steps, a few at once (a step selects
     at most the 24 slots of the GPU cache) under up to 96 live tokens; every row read through the
-    slots is the one written."""
-    layers = 2
+    slots is the one written. ``groups``: layers a group, or SGLang's ``skip_topk_layers`` (a layer
+    that reuses the previous layer's top-k joins its group, prepared once a step)."""
     at_once = min(4, 24 // (queries * k))
+    skips = groups if isinstance(groups, tuple) else None
     cfg = StoreConfig(
         layers=layers,
         bytes_per_token=BYTES,
@@ -153,9 +155,13 @@ def test_decode_loop_through_sglang_transform(
         max_batch=5,
         max_queries=queries,
         top_k=k,
-        layers_per_group=layers_per_group,
+        layers_per_group=1 if skips else groups,
+        group_starts=group_starts_from_skips(skips) if skips else None,
     )
     store = SGLangStore(cfg)
+    prepares = []
+    plain_prepare = store.kv.prepare
+    store.kv.prepare = lambda group, topk: prepares.append(group) or plain_prepare(group, topk)
     coord = UlakvSparseCoordinator.from_store(
         store, torch.zeros(1, dtype=torch.int32), k, transform.transform_index_page_table_decode
     )
@@ -181,12 +187,14 @@ def test_decode_loop_through_sglang_transform(
             batch_topk = batch_topk.squeeze(1)
         seq_lens = torch.tensor([len(engine.running[s]) for s in reqs] + [1])
         coord.num_real_reqs.fill_(len(reqs))
+        prepares.clear()
         for layer in range(layers):
             slots_out = coord.swap_in_selected_pages(req_pool_indices, seq_lens, batch_topk, layer)
             assert slots_out.dtype == torch.int32 and slots_out.shape == batch_topk.shape
             slots_out = slots_out.view(len(reqs) + 1, queries, k)
             assert bool((slots_out[-1] == -1).all()), "a padding request reads nothing"
             check_read(store, engine, slots_out[:-1], reqs, topk, layer)
+        assert prepares == list(range(store.pool.config.num_groups)), "each group prepared once a step"
         if engine.rng.random() < 0.4 or len(engine.running[reqs[0]]) > 40:
             finished = engine.rng.choice(reqs)
             coord.request_finished(object())

@@ -6,7 +6,9 @@ Every check happens here so that a bad configuration fails before any memory is 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,10 @@ from .errors import ConfigError
 # Mapping values are int32 and encode a GPU slot as itself and a CPU slot as gpu_slots + slot, so the
 # two tiers together must stay below 2**31 (about 2.1 G slots: far above 141 GB / 656 B ≈ 215 M).
 MAX_SLOTS = 2**31 - 2
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -323,8 +329,13 @@ LayoutConfig = Tiered | Striped | Replicated | CPUOffloadBaseline
 class PoolConfig:
     """A whole pool: what an entry is, how many layers share a selection, where entries live.
 
-    ``layers_per_group`` consecutive layers share one top-k selection and one residency (GLM-5.3: 4);
-    when it does not divide ``num_layers`` the last group is shorter (GLM-5: 78 = 19 x 4 + 2).
+    ``layers_per_group`` consecutive layers share one top-k selection and one residency;
+    when it does not divide ``num_layers`` the last group is shorter (78 = 19 x 4 + 2).
+    ``group_starts`` says the groups one by one instead, as a model's configuration does: the first
+    layer of each group, ascending from 0 (a model computes a fresh top-k at these layers and reuses
+    it in the layers up to the next; GLM-5.3: 21 groups of 78 layers, the first three of one layer,
+    then groups of four and the last of one: ``ulakv.integrations.sglang.layer_groups``).
+    ``layers_per_group`` stays 1 when it is given.
     ``validate`` decides whether ``prepare``/``write`` read back a status word to raise on bad
     addresses at once (one device sync); ``None`` means yes on CPU, where reading it costs no sync,
     and no on CUDA, where errors are recorded on the device and raised by the next synchronising call
@@ -353,6 +364,7 @@ class PoolConfig:
     validate: bool | None = None
     engine_addresses: int | None = None
     page_size: int = 1
+    group_starts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.entry, EntrySpec):
@@ -363,6 +375,8 @@ class PoolConfig:
             raise ConfigError(
                 f"layers_per_group ({self.layers_per_group}) exceeds num_layers ({self.num_layers})"
             )
+        if self.group_starts is not None:
+            self._check_group_starts()
         if not isinstance(self.layout, (Tiered, Striped, Replicated, CPUOffloadBaseline)):
             raise ConfigError(
                 f"PoolConfig.layout must be a layout config such as Tiered(...), got {self.layout!r}"
@@ -409,17 +423,45 @@ class PoolConfig:
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
+    def _check_group_starts(self) -> None:
+        starts = self.group_starts
+        if not isinstance(starts, tuple) or not starts or not all(_is_int(s) for s in starts):
+            raise ConfigError(f"PoolConfig.group_starts must be a non-empty tuple of ints, got {starts!r}")
+        if starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
+            raise ConfigError(f"PoolConfig.group_starts must ascend strictly from 0, got {starts!r}")
+        if starts[-1] >= self.num_layers:
+            raise ConfigError(
+                f"PoolConfig.group_starts: a group starts at layer {starts[-1]}, past the "
+                f"{self.num_layers} layers"
+            )
+        if self.layers_per_group != 1:
+            raise ConfigError("PoolConfig: give layers_per_group or group_starts, not both")
+
     @property
     def num_groups(self) -> int:
+        if self.group_starts is not None:
+            return len(self.group_starts)
         return -(-self.num_layers // self.layers_per_group)
 
     def group_layers(self, group: int) -> range:
         """The layers of ``group`` (the last group may be shorter)."""
+        if self.group_starts is not None:
+            starts = self.group_starts
+            return range(starts[group], starts[group + 1] if group + 1 < len(starts) else self.num_layers)
         start = group * self.layers_per_group
         return range(start, min(start + self.layers_per_group, self.num_layers))
 
     def group_of(self, layer: int) -> int:
+        if self.group_starts is not None:
+            return bisect.bisect_right(self.group_starts, layer) - 1
         return layer // self.layers_per_group
+
+    @property
+    def max_group_layers(self) -> int:
+        """Layers of the largest group (what a row of a whole group spans)."""
+        if self.group_starts is not None:
+            return max(len(self.group_layers(g)) for g in range(self.num_groups))
+        return min(self.layers_per_group, self.num_layers)
 
     def replace(self, **changes: object) -> PoolConfig:
         return dataclasses.replace(self, **changes)

@@ -96,7 +96,7 @@ class StripedPool(PoolFrame):
             self._buffer.ctl[int(K.E_MAX_SELECTION)] = lay.max_selection
             self._buffer_layout = TieredLayout(buffer_cfg, self._buffer)
             self._exchange = RowExchange(
-                lay.world, lay.rank, lay.fetch_width, config.layers_per_group, width, self.device
+                lay.world, lay.rank, lay.fetch_width, config.max_group_layers, width, self.device
             )
         # Admitted addresses, and one dummy flag past them (an engine admit marks a refused or padded
         # address there, so that marking needs no host decision).

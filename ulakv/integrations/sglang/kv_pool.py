@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .coordinator import UnsupportedBySGLangAdapter
+from .layer_groups import group_starts_from_skips
 from .store import SGLangStore, StoreConfig, policy_named
 
 
@@ -62,7 +63,9 @@ class UlakvKVPoolMixin:
         """HiSparse's arguments: ``size`` device tokens, ``size x host_to_device_ratio`` live ``loc``
         at most. The MLA rows become the ulakv pool's (``size`` GPU slots shared by every request,
         the rest on the CPU); ``ULAKV_SGLANG_POLICY`` (``lru``/``pblru``) picks the policy and
-        ``ULAKV_SGLANG_MAX_BATCH`` (default ``max_running_requests``) bounds a step's batch."""
+        ``ULAKV_SGLANG_MAX_BATCH`` (default ``max_running_requests``) bounds a step's batch.
+        ``skip_topk_layers`` (SGLang's, from the model's configuration) makes each layer that computes
+        a fresh top-k start a layer group; without it every layer is a group."""
         super().__init__(  # type: ignore[call-arg]  # SGLang's DSATokenToKVPool
             size=size,
             page_size=page_size,
@@ -94,6 +97,8 @@ class UlakvKVPoolMixin:
             max_queries=int(os.environ.get("ULAKV_SGLANG_MAX_QUERIES", 1)),
             policy=policy_named(os.environ.get("ULAKV_SGLANG_POLICY", "lru")),
             device=device,
+            # Layers that reuse the previous layer's top-k join its group: prepared once a step.
+            group_starts=None if skip_topk_layers is None else group_starts_from_skips(skip_topk_layers),
         )
         self.ulakv_store = SGLangStore(config)
         # SGLang's own rows are replaced by views of the pool's (its copy is freed here).

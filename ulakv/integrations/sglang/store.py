@@ -46,6 +46,7 @@ class StoreConfig:
     max_queries: int = 1
     top_k: int = 2048
     layers_per_group: int = 1
+    group_starts: tuple[int, ...] | None = None  # the layers that compute a fresh top-k
     policy: PolicyConfig = field(default_factory=ExactLRU)
     staging_tokens: int | None = None
     device: str | torch.device = "cpu"
@@ -58,6 +59,7 @@ class StoreConfig:
             entry=EntrySpec(self.bytes_per_token),
             num_layers=self.layers,
             layers_per_group=self.layers_per_group,
+            group_starts=self.group_starts,
             layout=Tiered(
                 gpu_slots=gpu, cpu_slots=cpu, policy=self.policy, staging_slots=self.staging_tokens
             ),
