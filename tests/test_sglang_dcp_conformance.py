@@ -1,0 +1,75 @@
+"""The DCP path's and the shared top-k's expectations of SGLang's source: met by the pinned wheel,
+and each one named when a copy of the source is changed under it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ulakv.integrations.sglang import dcp_conformance
+from ulakv.integrations.sglang.wheel import wheel_source
+
+FILES = sorted({e.module for e in dcp_conformance.EXPECTED} | {"sglang/srt/layers/attention/dsa_backend.py"})
+
+
+@pytest.fixture(scope="module")
+def pinned() -> Path:
+    return wheel_source()
+
+
+def test_the_pinned_wheel_meets_every_expectation(pinned: Path) -> None:
+    assert dcp_conformance.problems(pinned) == []
+    assert dcp_conformance.main(["--source", str(pinned)]) == 0
+
+
+MUTATIONS = {
+    "kernel-param-renamed": (
+        "transform_index.py",
+        "    dcp_rank: int,\n) -> tuple",
+        "    rank: int,\n) -> tuple",
+        "transform_index_page_table_dcp",
+    ),
+    "localize-gone": (
+        "dsa_dcp.py",
+        "def localize_dcp_page_table(",
+        "def localize_dcp_page_table_v2(",
+        "no localize_dcp_page_table",
+    ),
+    "top-k-lens-not-read": ("dsa_dcp.py", '"sparse_mla_top_k_lens"', '"top_k_lens"', "sparse_mla_top_k_lens"),
+    "cache-field-gone": (
+        "dsa_dcp.py",
+        "    counts: Optional[torch.Tensor] = None\n",
+        "",
+        "DcpPageTableCache",
+    ),
+    "new-skip-rule": (
+        "model_config.py",
+        '    cli_factor = getattr(config, "cli_factor", 1)',
+        '    cli_factor = getattr(config, "cli_factor", 1) + getattr(config, "new_rule", 0)',
+        "new_rule",
+    ),
+    "call-site-keyword": ("dsa_backend.py", "dcp_rank=", "rank_of_dcp=", "rank_of_dcp"),
+    "pool-param-gone": (
+        "memory_pool.py",
+        "        skip_topk_layers: Optional[List[bool]] = None,\n",
+        "",
+        "skip_topk_layers",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS))
+def test_a_changed_source_is_named(case: str, pinned: Path, tmp_path: Path) -> None:
+    name, old, new, said = MUTATIONS[case]
+    for rel in FILES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(pinned / rel, tmp_path / rel)
+    target = next(tmp_path / rel for rel in FILES if rel.endswith("/" + name))
+    text = target.read_text()
+    assert old in text, f"{case}: the pinned source changed under the test"
+    target.write_text(text.replace(old, new))
+    found = dcp_conformance.problems(tmp_path)
+    assert any(said in line for line in found), found
+    assert dcp_conformance.main(["--source", str(tmp_path)]) == 1

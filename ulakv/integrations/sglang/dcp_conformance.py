@@ -1,0 +1,200 @@
+"""What the DCP path and the shared top-k rely on in SGLang's source, checked with ``ast``.
+
+``DcpLocalizer`` stands in for SGLang's ``localize_dcp_page_table`` (and its kernel
+``transform_index_page_table_dcp``), producing what ``dcp_trtllm_sparse_attention`` reads
+(``block_tables`` and the ``sparse_mla_top_k_lens`` keyword); ``layer_groups`` mirrors
+``dsa_layer_skips_topk``, and the KV pool takes ``skip_topk_layers``. A renamed parameter, a
+function gone, a call site passing a keyword the function no longer takes, or a new rule in
+``dsa_layer_skips_topk`` (a configuration attribute our mirror does not read) would only show on a
+GPU; ``problems(source)`` names each as a line (empty when everything is where the adapter expects).
+
+``python -m ulakv.integrations.sglang.dcp_conformance [--source DIR]`` prints them (exit code 1 if any).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["EXPECTED", "Expected", "main", "problems"]
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A name of SGLang's the DCP path relies on: a function or class in ``module`` (a file under the
+    source), the parameters (a class: the fields) it must have, in this order among its own, and the
+    string keys its body must read (``kwargs.pop("...")``, ``getattr(config, "...")``); ``exact``:
+    those keys and no others (a new rule would change what the mirror must do)."""
+
+    module: str
+    name: str
+    params: tuple[str, ...]
+    reads: tuple[str, ...] = ()
+    exact: bool = False
+
+
+_DSA_DCP = "sglang/srt/layers/attention/dsa/dsa_dcp.py"
+EXPECTED = (
+    Expected(
+        "sglang/kernels/ops/attention/dsa/transform_index.py",
+        "transform_index_page_table_dcp",
+        ("page_table", "dcp_size", "dcp_rank"),
+    ),
+    Expected(
+        _DSA_DCP,
+        "localize_dcp_page_table",
+        ("cache", "metadata", "layer_id", "topk_indices", "page_table", "dcp_size", "dcp_rank"),
+    ),
+    Expected(_DSA_DCP, "DcpPageTableCache", ("metadata", "layer_id", "topk_indices", "page_table", "counts")),
+    Expected(
+        _DSA_DCP,
+        "dcp_trtllm_sparse_attention",
+        ("query", "block_tables", "seq_lens", "cu_seqlens_q"),
+        reads=("sparse_mla_top_k_lens",),
+    ),
+    Expected(
+        "sglang/srt/configs/model_config.py",
+        "dsa_layer_skips_topk",
+        ("config", "layer_id"),
+        reads=(
+            "indexer_types",
+            "cli_factor",
+            "index_topk_pattern",
+            "index_topk_freq",
+            "index_skip_topk_offset",
+        ),
+        exact=True,
+    ),
+    Expected(
+        "sglang/srt/mem_cache/memory_pool.py", "DSATokenToKVPool.__init__", ("size", "skip_topk_layers")
+    ),
+)
+
+# Functions whose call sites under sglang/srt must pass only keywords the function takes.
+CALLED = ("localize_dcp_page_table", "dcp_trtllm_sparse_attention", "transform_index_page_table_dcp")
+
+
+def _find(tree: ast.Module, dotted: str) -> ast.FunctionDef | ast.ClassDef | None:
+    nodes: list[ast.stmt] = tree.body
+    found = None
+    for part in dotted.split("."):
+        found = next(
+            (n for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None
+        )
+        if found is None:
+            return None
+        nodes = found.body
+    return found
+
+
+def _names(node: ast.FunctionDef | ast.ClassDef) -> list[str]:
+    if isinstance(node, ast.ClassDef):  # a struct's fields: annotated names of its body
+        return [
+            n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        ]
+    a = node.args
+    return [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+
+
+def _string_keys(node: ast.AST) -> set[str]:
+    """String constants passed as the second argument of ``getattr`` or the first of ``pop``/``get``."""
+    keys = set()
+    for call in ast.walk(node):
+        if not isinstance(call, ast.Call) or not call.args:
+            continue
+        func = call.func
+        if isinstance(func, ast.Name) and func.id == "getattr" and len(call.args) >= 2:
+            arg = call.args[1]
+        elif isinstance(func, ast.Attribute) and func.attr in ("pop", "get"):
+            arg = call.args[0]
+        else:
+            continue
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            keys.add(arg.value)
+    return keys
+
+
+def _in_order(want: tuple[str, ...], have: list[str]) -> bool:
+    at = [have.index(w) for w in want if w in have]
+    return len(at) == len(want) and at == sorted(at)
+
+
+def problems(source: Path) -> list[str]:
+    """What the DCP path expects of the SGLang source at ``source`` (the directory holding
+    ``sglang/``) and does not find, a line each."""
+    source = Path(source)
+    found: list[str] = []
+    params: dict[str, list[str]] = {}
+    for exp in EXPECTED:
+        path = source / exp.module
+        if not path.is_file():
+            found.append(f"{exp.module}: missing (holds {exp.name})")
+            continue
+        node = _find(ast.parse(path.read_text(encoding="utf-8")), exp.name)
+        if node is None:
+            found.append(f"{exp.module}: no {exp.name}")
+            continue
+        have = _names(node)
+        params[exp.name] = have
+        if not _in_order(exp.params, have):
+            found.append(f"{exp.name} ({exp.module}:{node.lineno}): expected {list(exp.params)} among {have}")
+        keys = _string_keys(node)
+        missing = sorted(set(exp.reads) - keys)
+        if missing:
+            found.append(f"{exp.name}: no longer reads {missing}")
+        extra = sorted(keys - set(exp.reads)) if exp.exact else []
+        if extra:
+            found.append(f"{exp.name}: reads {extra}, which ulakv's mirror does not (a new rule?)")
+    sites = {name: 0 for name in CALLED}
+    for path in sorted((source / "sglang/srt").rglob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+            if not any(name in text for name in CALLED):  # most files: no parse
+                continue
+            with warnings.catch_warnings():  # SGLang's own invalid escapes, not ours to report
+                warnings.simplefilter("ignore", SyntaxWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for call in ast.walk(tree):
+            if not isinstance(call, ast.Call):
+                continue
+            name = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
+            if name not in sites:
+                continue
+            sites[name] += 1
+            takes = params.get(name, [])
+            unknown = [k.arg for k in call.keywords if k.arg is not None and k.arg not in takes]
+            if takes and unknown and name != "dcp_trtllm_sparse_attention":  # it takes **attention_kwargs
+                rel = path.relative_to(source).as_posix()
+                found.append(f"{rel}:{call.lineno}: {name} called with {unknown}, which it does not take")
+    for name in ("localize_dcp_page_table", "dcp_trtllm_sparse_attention"):
+        if not sites[name]:
+            found.append(f"sglang/srt no longer calls {name}: the DCP attention path moved")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ulakv.integrations.sglang.dcp_conformance")
+    parser.add_argument(
+        "--source", type=Path, default=None, help="directory holding sglang/ (default: the pinned wheel)"
+    )
+    args = parser.parse_args(argv)
+    if args.source is None:
+        from .wheel import wheel_source
+
+        args.source = wheel_source()
+    found = problems(args.source)
+    for line in found:
+        print(f"- {line}")
+    print(f"{len(found)} problem(s) in what the DCP path and the shared top-k expect of {args.source}")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
