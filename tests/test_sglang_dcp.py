@@ -30,11 +30,12 @@ GPU_SLOTS = 34  # per rank: 3 requests x 11 picks fit, the rank's history does n
 
 
 def _config(
-    world: int, rank: int, policy, cpu_slots: int | None = None, validate: bool | None = None
+    world: int, rank: int, policy, cpu_slots: int | None = None, validate: bool | None = None, page: int = 1
 ) -> PoolConfig:
     share = math.ceil(N / world)
     return PoolConfig(
         validate=validate,
+        page_size=page,
         entry=EntrySpec(bytes_per_layer=WIDTH),
         num_layers=LAYERS,
         layers_per_group=PER_GROUP,
@@ -74,11 +75,14 @@ def _page_table(requests: list[list[int]], gen: torch.Generator) -> torch.Tensor
     return table
 
 
-def _dcp_against_sglang(rank: int, world: int, policy_name: str, seed: int) -> dict:
+def _dcp_against_sglang(rank: int, world: int, policy_name: str, seed: int, page: int) -> dict:
     transform = load_transform_index(wheel_source()).transform_index_page_table_dcp
     policy = ExactLRU() if policy_name == "lru" else PBLRU(4)
-    pool = ulakv.Pool(_config(world, rank, policy))
+    pool = ulakv.Pool(_config(world, rank, policy, page=page))
     localizer = DcpLocalizer(pool)
+    if page > 1:  # the block table indexes the paged view as SGLang's DCP attention reads it
+        assert pool.paged_buffer(0).shape == (1, page, 1, WIDTH)
+        assert pool.paged_buffer(0).data_ptr() == pool.gpu_buffer(0).data_ptr()
     prompts, steps, kv = _traffic(seed)
     dense = torch.zeros((LAYERS, math.ceil(N / world), WIDTH), dtype=torch.uint8)  # SGLang's rank pool
 
@@ -112,7 +116,8 @@ def _dcp_against_sglang(rank: int, world: int, policy_name: str, seed: int) -> d
                 for i in range(table.shape[0]):
                     n = int(counts[i])
                     assert bool((block[i, n:] == -1).all()) and bool((block[i, :n] >= 0).all())
-                    ours = pool.gpu_buffer(layer)[block[i, :n].long()]
+                    rows = pool.paged_buffer(layer).view(-1, WIDTH) if page > 1 else pool.gpu_buffer(layer)
+                    ours = rows[block[i, :n].long()]
                     theirs = dense[layer, want_block[i, :n].long()]
                     assert torch.equal(ours, theirs), (step, layer, i)
                     rows_compared += n
@@ -131,11 +136,14 @@ def _dcp_against_sglang(rank: int, world: int, policy_name: str, seed: int) -> d
 
 
 @pytest.mark.parametrize(
-    "world, policy, seed",
-    [pytest.param(2, "lru", 3, id="world2-exact_lru"), pytest.param(4, "pblru", 5, id="world4-pblru4")],
+    "world, policy, seed, page",
+    [
+        pytest.param(2, "lru", 3, 1, id="world2-exact_lru"),
+        pytest.param(4, "pblru", 5, 64, id="world4-pblru4-pages64"),
+    ],
 )
-def test_localised_rows_equal_sglang_dcp_on_a_dense_sharded_pool(world, policy, seed) -> None:
-    found = run_ranks(_dcp_against_sglang, world, policy, seed)
+def test_localised_rows_equal_sglang_dcp_on_a_dense_sharded_pool(world, policy, seed, page) -> None:
+    found = run_ranks(_dcp_against_sglang, world, policy, seed, page)
     for rank, got in enumerate(found):
         assert got["rows"] > 0, rank
         assert got["prepares"] == 6 * (LAYERS // PER_GROUP), "a group's second layer prepared again"

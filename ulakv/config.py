@@ -353,7 +353,7 @@ class PoolConfig:
     ``page_size`` rounds each layer's GPU rows (the slots and the dummy row) up to a multiple of it,
     so ``paged_buffer(layer)`` views them as a paged KV cache ``[pages, page_size, 1, bytes]`` with no
     copy (FlashMLA's sparse kernels: 64). The extra rows are never handed out. Tiered and Replicated
-    layouts only.
+    layouts, and ``Striped(attention="local")`` (a rank's slice: SGLang's DCP reads it as pages).
     """
 
     entry: EntrySpec
@@ -390,9 +390,11 @@ class PoolConfig:
         if self.validate is not None and not isinstance(self.validate, bool):
             raise ConfigError(f"PoolConfig.validate must be None or a bool, got {self.validate!r}")
         _check_int("PoolConfig.page_size", self.page_size, 1)
-        if self.page_size > 1 and not isinstance(self.layout, (Tiered, Replicated)):
+        local = isinstance(self.layout, Striped) and self.layout.local
+        if self.page_size > 1 and not isinstance(self.layout, (Tiered, Replicated)) and not local:
             raise ConfigError(
-                f"PoolConfig.page_size needs a Tiered or Replicated layout, got {type(self.layout).__name__}"
+                'PoolConfig.page_size needs a Tiered or Replicated layout or Striped(attention="local"), '
+                f"got {type(self.layout).__name__}"
             )
         if self.engine_addresses is not None:
             _check_int("PoolConfig.engine_addresses", self.engine_addresses, 1)

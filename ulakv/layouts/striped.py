@@ -74,6 +74,9 @@ class StripedPool(PoolFrame):
         width = config.entry.bytes_per_layer
         self._offset = S + 1  # buffer slot b is row S + 1 + b of gpu_buffer(layer)
         rows = S + 1 if self.local else S + 1 + B + 1
+        self._unpaged_rows = rows
+        page = config.page_size  # > 1 in local mode only: the slice's rows rounded up to whole pages
+        rows = -(-rows // page) * page
         self._rows = torch.zeros((L, rows, width), dtype=torch.uint8, device=self.device)
         # Engine-owned addresses (local mode only): ``[0, N)`` over the ranks; this rank's slice
         # owns the local addresses ``a // world`` of those homed here, as an engine-owned pool too.
@@ -82,7 +85,7 @@ class StripedPool(PoolFrame):
         self._addresses = self._engine_n if engine else lay.capacity  # the global address range
         inner_engine = -(-self._engine_n // lay.world) if engine else None
         self.inner = TieredPool(
-            config.replace(layout=lay.inner, engine_addresses=inner_engine),
+            config.replace(layout=lay.inner, engine_addresses=inner_engine, page_size=1),
             _gpu_data=self._rows[:, : S + 1],
             _owned=True,
         )
@@ -205,7 +208,15 @@ class StripedPool(PoolFrame):
         """uint8 rows ``prepare``'s slots index: this rank's GPU slice ``[S + 1, bytes]`` (local
         mode), then its buffer (fetch mode: ``[S + 1 + buffer_slots + 1, bytes]``)."""
         self.inner._check_layer(layer)
-        return self._rows[layer]
+        return self._rows[layer, : self._unpaged_rows]
+
+    def paged_buffer(self, layer: int) -> torch.Tensor:
+        """uint8 ``[pages, page_size, 1, bytes_per_layer]``: ``gpu_buffer(layer)`` and the rows that
+        round it up to whole pages (``PoolConfig.page_size``), whose token index is the slot: the
+        paged KV cache SGLang's DCP attention views (``kv_cache.view(-1, 1, page_size, dim)``)."""
+        self.inner._check_layer(layer)
+        page = self.config.page_size
+        return self._rows[layer].view(-1, page, 1, self._rows.shape[-1])
 
     # -- admission -------------------------------------------------------------------------------
     @property
