@@ -56,10 +56,12 @@ class DcpLocalizer:
     a call reuses the previous one only for the next layer (``layer == previous + 1``), of the same
     group, with the same page table tensor and the same ``step`` object (SGLang's forward metadata,
     not None); any other call prepares, so a page table refilled in place for the next step is
-    prepared again from the group's first layer. Pass ``out``/``counts`` buffers from a
+    prepared again from the group's first layer. ``zero_is_padding``: 0 in a page table is padding
+    (SGLang's padding slot, which a captured batch's padding requests select), read as -1. Pass
+    ``out``/``counts`` buffers from a
     CUDA-graph-captured step (a reused localisation is copied into them)."""
 
-    def __init__(self, pool: PoolFrame) -> None:
+    def __init__(self, pool: PoolFrame, *, zero_is_padding: bool = False) -> None:
         layout = pool.config.layout
         if not getattr(layout, "local", False) or pool.config.engine_addresses is None:
             raise InvalidInputError(
@@ -67,6 +69,7 @@ class DcpLocalizer:
                 "(PoolConfig.engine_addresses: the engine's token slots)"
             )
         self.pool = pool
+        self.zero_is_padding = zero_is_padding  # SGLang's loc 0: its padding slot, never a token's
         self.dcp_size, self.dcp_rank = layout.world, layout.rank
         self.last: LocalPageTable | None = None
         self.prepares = 0
@@ -104,7 +107,8 @@ class DcpLocalizer:
                 f"localize: page_table must be int32 [rows, topk], got {page_table.dtype} "
                 f"{tuple(page_table.shape)}"
             )
-        slots = self.pool.prepare(group, page_table).slots
+        addresses = torch.where(page_table == 0, -1, page_table) if self.zero_is_padding else page_table
+        slots = self.pool.prepare(group, addresses).slots
         block_table, found = compact_slots(slots, out=out, counts=counts)
         self.prepares += 1
         self.last = LocalPageTable(layer, group, block_table, found, page_table, step)

@@ -1,0 +1,134 @@
+"""The ulakv side of SGLang's decode context parallelism over a CPU tier: a rank's pool over
+SGLang's token slots (``loc``), sized from SGLang's own flags.
+
+Under ``--dcp-size D`` SGLang keeps ``loc`` ``s`` on rank ``s % D`` at row ``s // D`` of that rank's
+device pool (``size`` rows). Here each rank's pool is ``Striped(world=D, rank, attention="local")``
+over the engine-owned addresses ``[0, N)``: the same homes, in a GPU cache of ``size`` slots shared
+by the rank's requests and, beneath it, an exclusive CPU tier, so that ``host_to_device_ratio``
+times as many ``loc`` are live at once as SGLang's DCP holds on its GPUs alone (``N = D x size x
+ratio + page_size``, each rank homing ``ceil(N / D)``). Every rank makes the same calls: it admits
+and releases every ``loc``, writes every new token's row (keeping those homed on it) and localises
+every page table (``DcpLocalizer``: its GPU slots of its own entries, packed, and the counts, for
+SGLang's DCP attention, which then merges the ranks' parts by their LSE as it does today).
+
+What SGLang keeps apart under DCP is left as it is: the indexer's keys stay in SGLang's own pool,
+on every rank's GPU, for every ``loc`` of the DCP group (SGLang sizes that buffer ``(size +
+page_size) x D - page_size``; here ``N``, ``ratio`` times more): 132 bytes a token and indexer
+layer (128 fp8 values and a float32 scale). For DeepSeek-V3.2 (61 layers, each with an indexer)
+that is 8,052 bytes a token on every rank, beside the 40,016 of its MLA rows split over the ranks
+(5,002 a rank at ``D = 8``, which the CPU tier now takes): at ``D = 8`` the keys are what bounds a
+rank's GPU, so the gain over SGLang's DCP is the latent rows' share, not ``ratio`` (a model that
+reuses a top-k in most layers, GLM-5.3's 21 indexers of 78, pays 2,772 bytes a token a rank).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ...config import EntrySpec, ExactLRU, PolicyConfig, PoolConfig, Striped, Tiered
+from ...errors import InvalidInputError
+from ...pool import Pool
+from .dcp import DcpLocalizer
+from .store import FLASHMLA_PAGE
+
+
+@dataclass(frozen=True)
+class DcpStoreConfig:
+    """A rank's pool under SGLang's DCP from SGLang's sizes: ``device_tokens`` (a rank's device pool,
+    ``size``: the GPU cache), ``host_to_device_ratio`` (HiSparse's flag: ``ratio - 1`` times that on
+    the CPU), ``dcp_size``/``dcp_rank``, ``page_size`` (SGLang's 64-token DSA pages). ``group_starts``:
+    the layers that compute a fresh top-k (``layer_groups``)."""
+
+    layers: int
+    bytes_per_token: int
+    device_tokens: int
+    host_to_device_ratio: int
+    dcp_size: int
+    dcp_rank: int
+    page_size: int = FLASHMLA_PAGE
+    group_starts: tuple[int, ...] | None = None
+    policy: PolicyConfig = field(default_factory=ExactLRU)
+    device: str | torch.device = "cpu"
+    validate: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_to_device_ratio < 1:
+            raise InvalidInputError(f"host_to_device_ratio must be >= 1, got {self.host_to_device_ratio}")
+
+    @property
+    def logical_tokens(self) -> int:
+        """``loc`` live at once over the DCP group: every rank's GPU cache and CPU tier."""
+        return self.dcp_size * self.device_tokens * self.host_to_device_ratio
+
+    @property
+    def address_space(self) -> int:
+        """``loc`` in ``[0, N)``: SGLang's allocator hands out ``[1, logical_tokens + page_size)``."""
+        return self.logical_tokens + self.page_size
+
+    def pool_config(self) -> PoolConfig:
+        share = math.ceil(self.address_space / self.dcp_size)  # the most ``loc`` one rank homes
+        inner = Tiered(gpu_slots=self.device_tokens, cpu_slots=share - self.device_tokens, policy=self.policy)
+        return PoolConfig(
+            entry=EntrySpec(self.bytes_per_token),
+            num_layers=self.layers,
+            group_starts=self.group_starts,
+            layout=Striped(world=self.dcp_size, rank=self.dcp_rank, attention="local", inner=inner),
+            device=self.device,
+            validate=self.validate,
+            engine_addresses=self.address_space,
+            page_size=self.page_size,
+        )
+
+
+class SGLangDcpStore:
+    """One rank's pool bound to SGLang's DCP conventions (``loc`` 0 = padding). Every rank of the
+    DCP group calls the same methods with the same arguments in the same order."""
+
+    def __init__(self, config: DcpStoreConfig) -> None:
+        self.config = config
+        self.pool = Pool(config.pool_config())
+        self.localizer = DcpLocalizer(self.pool, zero_is_padding=True)
+
+    @staticmethod
+    def addresses(loc: torch.Tensor) -> torch.Tensor:
+        """SGLang's ``loc`` as pool addresses: 0 (its padding slot) becomes -1; one device op."""
+        return torch.where(loc == 0, -1, loc)
+
+    def admit(self, loc: torch.Tensor) -> None:
+        """New tokens' ``loc`` (a decode step's ``out_cache_loc``, a prefill's extend): live now."""
+        if loc.numel():
+            self.pool.admit_addresses(self.addresses(loc.reshape(-1)))
+
+    def release(self, loc: torch.Tensor) -> None:
+        """``loc`` SGLang's allocator frees (a finished or retracted request's; a cached prefix when
+        the radix tree lets it go): released once, by the last holder."""
+        if loc.numel():
+            self.pool.release_addresses(self.addresses(loc.reshape(-1)))
+
+    def write(self, layer: int, loc: torch.Tensor, rows: torch.Tensor) -> None:
+        """One layer's rows (uint8 ``[n, bytes_per_token]``) of the new tokens at ``loc`` (0 / -1:
+        padding), the same on every rank: each keeps those homed on it."""
+        self.pool.write(layer, self.addresses(loc.reshape(-1)), rows)
+
+    def localize(
+        self,
+        layer: int,
+        page_table: torch.Tensor,
+        *,
+        metadata: object = None,
+        out: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place of SGLang's ``localize_dcp_page_table``: ``page_table`` int32 ``[rows, topk]`` of
+        ``loc`` (-1 or 0 padding) -> this rank's block table (slots of ``kv_rows(layer)``, packed, -1
+        after) and the counts (SGLang's ``seq_lens`` for its DCP attention)."""
+        return self.localizer.localize(layer, page_table, step=metadata, out=out, counts=counts)
+
+    def kv_rows(self, layer: int) -> torch.Tensor:
+        """uint8 ``[rows, 1, bytes_per_token]``: the rank's GPU rows as SGLang's ``kv_buffer`` (whole
+        64-row pages; row ``device_tokens`` the dummy)."""
+        paged = self.pool.paged_buffer(layer)
+        return paged.view(-1, 1, paged.shape[-1])
