@@ -34,6 +34,12 @@ log-sum-exp; GPU only. Engines carve the DCP group out of the attention tensor-p
 DP attention runs attention on one rank: there ``dcp`` and ``ulakv_local`` are ``gpu_only`` and
 ``ulakv`` under another name.
 
+``ulakv capacity --systems sglang`` compares SGLang as it serves DSA models instead: ``gpu_only``,
+``cpu_offload`` (HiSparse), ``sglang_dcp`` (DCP with the indexer's keys of every token on every
+rank, as SGLang keeps them) and ``sglang_dcp_ulakv`` (what ``SGLangDcpStore`` builds: that DCP with
+ulakv's local mode under the latent rows); under DP attention the last two are ``gpu_only`` and
+``ulakv``.
+
 Index keys are always GPU-resident (the indexer scores every past position each step): a
 GPU-only pool of their own beside each latent pool, replicated under TP for ``gpu_only`` and
 ``cpu_offload``, striped for ``dcp`` (as vLLM keeps them) and ulakv. ulakv is charged for every
@@ -584,7 +590,13 @@ class _Planner:
         """The system whose pools ``system`` builds: under DP attention a DCP group is one rank, so
         ``dcp`` is ``gpu_only`` and ``ulakv_local`` is ``ulakv``."""
         if self.sc.mode == "DP":
-            return {"dcp": "gpu_only", "ulakv_local": "ulakv"}.get(system, system)
+            same = {
+                "dcp": "gpu_only",
+                "ulakv_local": "ulakv",
+                "sglang_dcp": "gpu_only",
+                "sglang_dcp_ulakv": "ulakv",
+            }
+            return same.get(system, system)
         return system
 
     # Each system: ``feasible(stream, n) -> _Fit`` for a batch of n.
@@ -601,6 +613,58 @@ class _Planner:
             return self.gpu_only(stream, n)
         world = self.sc.world
         return self._rows_only(stream, n, lambda s: _local(world, Tiered(gpu_slots=s)), " of all ranks")
+
+    def _every_token_keys(self, lengths: list[int]):
+        """Index keys as SGLang keeps them under DCP: every token of the batch on every rank (its
+        index buffer spans the DCP group's whole ``loc`` space), GPU only."""
+        return Pool(self.index_config(Tiered(gpu_slots=max(1, sum(lengths)))))
+
+    def sglang_dcp(self, stream: int, n: int) -> _Fit:
+        """SGLang's DCP (``--dcp-size world``): the latent rows striped over the ranks, GPU only, and
+        the index keys of every token on every rank."""
+        if self.sc.mode == "DP":
+            return self.gpu_only(stream, n)
+        world, lengths = self.sc.world, self.lengths(stream, n)
+        index = self._every_token_keys(lengths)
+        index_gpu = pool_bytes(index, index=True).gpu_index
+
+        def build(slots: int):
+            return Pool(self.latent_config(_local(world, Tiered(gpu_slots=slots))))
+
+        slots = _fit_slots(build, self.sc.kv_budget() - index_gpu, lambda p: pool_bytes(p).gpu_rows)
+        charged = Bytes(gpu_index=index_gpu)
+        if slots < 1:
+            return _Fit(False, charged, [], "GPU memory (the index keys of every token on every rank)")
+        latent = build(slots)
+        charged = Bytes(gpu_rows=pool_bytes(latent).gpu_rows, gpu_index=index_gpu)
+        pools = [
+            f"latent: {latent.config.layout}",
+            f"index keys: every token on every rank, {sum(lengths)} slots",
+        ]
+        ok = _admits([latent, index], lengths)
+        return _Fit(
+            ok, charged, pools, "GPU KV memory of all ranks (index keys on every rank)", latent.config.layout
+        )
+
+    def sglang_dcp_ulakv(self, stream: int, n: int) -> _Fit:
+        """What the SGLang DCP adapter builds (``SGLangDcpStore``): SGLang's DCP with ulakv's local
+        mode under the latent rows (a GPU cache and an exclusive CPU tier a rank), the index keys
+        left as SGLang keeps them (every token on every rank)."""
+        if self.sc.mode == "DP":
+            return self._tiered(stream, n)
+        world, lengths = self.sc.world, self.lengths(stream, n)
+        per_home = math.ceil(n * self.union * self.shape.home_share)
+        index = self._every_token_keys(lengths)
+        return self._fit_ulakv(
+            n,
+            lengths,
+            index,
+            staging=per_home,
+            need=per_home,
+            wrap=lambda inner: _local(world, inner),
+            what="one step's home share",
+            where=" of all ranks",
+        )
 
     def _rows_only(self, stream: int, n: int, layout_of: Callable[[int], object], where: str) -> _Fit:
         """A GPU-only baseline: latent and index-key pools of ``layout_of(slots)`` with the most
@@ -765,6 +829,11 @@ class _Planner:
                 f"a full CPU copy of every token and per-request GPU buffers of {layout.slots_per_request} "
                 f"rows a layer (copies; misses cross PCIe); {where}"
             )
+        if isinstance(layout, Striped) and system.startswith("sglang_dcp"):
+            return (
+                f"{self._striped_pays(layout, n, b)}; the indexer's keys of every token on every rank "
+                f"({b.gpu_index / GB:.1f} GB), as SGLang keeps them under DCP"
+            )
         if isinstance(layout, Striped):
             return self._striped_pays(layout, n, b)
         tiers = "GPU + CPU tiers (PB-LRU), misses cross PCIe" if layout.cpu_slots else "GPU only"
@@ -806,6 +875,12 @@ class _Planner:
 BASELINES = ("gpu_only", "cpu_offload", "dcp")
 ULAKV_MODES = ("ulakv", "ulakv_local")
 SYSTEMS = BASELINES + ULAKV_MODES
+# SGLang as it serves DSA models, and what its DCP adapter builds (``ulakv capacity --sglang``):
+# GPU only, HiSparse (its CPU-offload design), DCP with its index keys on every rank, and that DCP
+# over ulakv's local mode.
+SGLANG_BASELINES = ("gpu_only", "cpu_offload", "sglang_dcp")
+SGLANG_ULAKV = ("sglang_dcp_ulakv",)
+SGLANG_SYSTEMS = SGLANG_BASELINES + SGLANG_ULAKV
 
 
 @dataclass

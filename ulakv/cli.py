@@ -13,7 +13,8 @@ from .capacity import (
     BASELINES,
     HARDWARE,
     MODELS,
-    SYSTEMS,
+    SGLANG_BASELINES,
+    SGLANG_ULAKV,
     ULAKV_MODES,
     Scenario,
     default_selection_shape,
@@ -45,8 +46,14 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise argparse.ArgumentTypeError("--quota: at least 1")
 
 
+# ``--systems``: which systems a table compares, and which of them are ulakv's.
+SYSTEM_SETS = {"ulakv": (BASELINES, ULAKV_MODES), "sglang": (SGLANG_BASELINES, SGLANG_ULAKV)}
+
+
 def run_capacity(args: argparse.Namespace) -> int:
     _check_numbers(args)
+    theirs, ours = SYSTEM_SETS[args.systems]
+    systems = theirs + ours
     gpus = _choices(args.gpu.lower(), list(HARDWARE), "--gpu")
     modes = [m.upper() for m in _choices(args.mode.upper(), ["TP", "DP"], "--mode")]
     specs = [s == "on" for s in _choices(args.spec, ["on", "off"], "--spec")]
@@ -70,7 +77,7 @@ def run_capacity(args: argparse.Namespace) -> int:
                     slots_per_request=args.quota,
                     shape=shapes[spec],
                 )
-                plans.append(plan(scenario))
+                plans.append(plan(scenario, systems))
     rows = [row for p in plans for row in p.rows(explain=args.explain)]
     if args.plot:
         from .plots import admitted_bars
@@ -86,30 +93,33 @@ def run_capacity(args: argparse.Namespace) -> int:
         for what, value, source in common:
             print(f"  {what:28s} {value:40s} {source}")
         print()
-    header = f"{'config':22s} " + " ".join(f"{s:>12s}" for s in SYSTEMS) + "   best ulakv / best baseline"
+    width = max(12, *(len(s) for s in systems))
+    header = (
+        f"{'config':22s} " + " ".join(f"{s:>{width}s}" for s in systems) + "   best ulakv / best baseline"
+    )
     print(header)
     for p in plans:
         sc = p.scenario
         name = f"{sc.hardware.name} {sc.mode} spec {'on' if sc.spec else 'off'}"
-        n = {s: p.systems[s].admitted for s in SYSTEMS if s in p.systems}
-        print(f"{name:22s} " + " ".join(f"{n[s]:12d}" for s in n) + f"   {_ratio(p):>10s}")
+        n = {s: p.systems[s].admitted for s in systems if s in p.systems}
+        print(f"{name:22s} " + " ".join(f"{n[s]:{width}d}" for s in n) + f"   {_ratio(p, ours, theirs):>10s}")
         if args.explain:
             for what, value, source in p.scenario.assumptions():
                 if (what, value, source) not in common:
                     print(f"    {what:26s} {value:40s} {source}")
-            _explain(p)
+            _explain(p, ours, theirs)
     return 0
 
 
-def _ratio(p) -> str:
+def _ratio(p, ours_among: tuple[str, ...] = ULAKV_MODES, theirs_among: tuple[str, ...] = BASELINES) -> str:
     """ulakv's best mode over the best baseline, in requests admitted."""
-    ours, theirs = p.best(ULAKV_MODES), p.best(BASELINES)
+    ours, theirs = p.best(ours_among), p.best(theirs_among)
     if ours is None or theirs is None:
         return "-"
     return "inf" if not theirs.admitted else f"{ours.admitted / theirs.admitted:.2f}x"
 
 
-def _explain(p) -> None:
+def _explain(p, ours_among: tuple[str, ...] = ULAKV_MODES, theirs_among: tuple[str, ...] = BASELINES) -> None:
     """Bytes per GPU behind each number (GB), what each system pays, and where the ratio of the
     best ulakv mode to the best baseline comes from."""
     sc = p.scenario
@@ -135,12 +145,13 @@ def _explain(p) -> None:
         for pool in s.pools:
             print(f"    {'':12s} {pool}")
         print(f"    {'':12s} pays: {s.pays}")
-    ours, theirs = p.best(ULAKV_MODES), p.best(BASELINES)
+    ours, theirs = p.best(ours_among), p.best(theirs_among)
     if ours is None or theirs is None or not theirs.held:
         return
     a, b = ours.bytes_per_gpu, theirs.bytes_per_gpu
     print(
-        f"    {ours.system} / {theirs.system} = {_ratio(p)} the requests: their latent pools admit "
+        f"    {ours.system} / {theirs.system} = {_ratio(p, ours_among, theirs_among)} the requests: "
+        "their latent pools admit "
         f"{ours.held / 1e6:.1f} M vs {theirs.held / 1e6:.1f} M distinct tokens on all ranks "
         f"({ours.held / theirs.held:.2f}x; M tokens above); a GPU's KV rows: {a.gpu_rows / 1e9:.1f} GB GPU + "
         f"{a.cpu_rows / 1e9:.1f} GB CPU vs {b.gpu_rows / 1e9:.1f} GB GPU + {b.cpu_rows / 1e9:.1f} GB CPU"
@@ -371,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", metavar="FILE", help="measure one step's working set on this saved trace (Trace.save)"
     )
     p.add_argument("--sglang", metavar="FILE", help="... or on torch.save'd SGLang indexer_topk tensors")
+    p.add_argument(
+        "--systems",
+        choices=sorted(SYSTEM_SETS),
+        default="ulakv",
+        help="ulakv: the five systems; sglang: GPU only, HiSparse, SGLang's DCP, and SGLang's DCP over ulakv",
+    )
     p.set_defaults(run=run_capacity)
 
     r = sub.add_parser("replay", help="a selection trace through every policy and layout")
