@@ -99,3 +99,41 @@ def test_a_pool_over_irregular_groups_reads_back_every_layer(policy) -> None:
                 assert torch.equal(pool.gpu_buffer(layer)[slots], kv[layer, picks])
         pool.check_invariants()
     assert pool.stats()["victims"] > 0
+
+
+@pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(4)], ids=["exact_lru", "pblru4"])
+def test_a_shared_top_k_group_moves_the_same_bytes_in_fewer_plans(policy) -> None:
+    """Layers that share a top-k, as one group (prepared once a step) and as one group a layer
+    (each prepared with the same selection): the steps move the same rows, in half the plans and
+    launches. (Writing a group layer by layer costs more: a new entry's first layer also writes
+    zero rows for the group's other layers; ``benchmarks/RESULTS.md``, "Write copies".)"""
+    gen = torch.Generator().manual_seed(4)
+    layers, width, tokens = 4, 12, 41
+    kv = torch.randint(0, 256, (layers, tokens, width), dtype=torch.uint8, generator=gen)
+    steps = [torch.randperm(tokens, generator=gen)[:6] for _ in range(10)]
+    found = {}
+    for name, starts in (("shared", (0, 2)), ("apart", (0, 1, 2, 3))):
+        cfg = PoolConfig(
+            entry=EntrySpec(width),
+            num_layers=layers,
+            group_starts=starts,
+            layout=Tiered(gpu_slots=8, cpu_slots=40, policy=policy),
+        )
+        pool = ulakv.Pool(cfg)
+        addrs = pool.admit(tokens).addresses
+        for layer in range(layers):
+            pool.write(layer, addrs, kv[layer])
+        before = pool.stats()
+        plans = 0
+        for picks in steps:
+            for layer in range(layers):
+                group = cfg.group_of(layer)
+                if layer == cfg.group_layers(group).start:
+                    slots = pool.prepare(group, addrs[picks].view(1, -1)).slots.view(-1).long()
+                    plans += 1
+                assert torch.equal(pool.gpu_buffer(layer)[slots], kv[layer, picks])
+        stats = pool.stats()
+        found[name] = (*(stats[k] - before[k] for k in ("bytes_in", "bytes_out", "launches")), plans)
+    shared, apart = found["shared"], found["apart"]
+    assert shared[:2] == apart[:2] and shared[0] > 0
+    assert 2 * shared[2] == apart[2] and 2 * shared[3] == apart[3]  # launches, plans
