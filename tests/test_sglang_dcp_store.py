@@ -82,7 +82,7 @@ def _serve(rank: int, world: int, seed: int) -> dict:
             store.release(torch.tensor(gone))
             free_loc.extend(gone)
 
-    for step in range(16):
+    for step in range(10):
         if len(running) < 3 and len(free_loc) > 60 and rng.random() < 0.8:
             shared = []
             if running and rng.random() < 0.6:  # a prefix-cache hit: another request's first loc
