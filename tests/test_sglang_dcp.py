@@ -240,3 +240,34 @@ def test_a_page_table_refilled_in_place_is_prepared_again() -> None:
     for rank, seen in enumerate(run_ranks(_refilled, 2)):
         mine = [[a * WIDTH % 256 for a in fill if a % 2 == rank] for fill in ([0, 1, 2, 3], [8, 9, 10, 11])]
         assert seen == [mine[0], mine[0], mine[1], mine[1]]
+
+
+def test_the_ranks_of_a_dcp_group_need_no_process_group() -> None:
+    """Local mode never communicates outside ``read``: an engine whose DCP group is a subgroup of
+    its world (SGLang: --dcp-size dividing --tp-size) builds a rank's pool with no process group of
+    that size. Here all 3 ranks of a group live in one process and still serve SGLang's rows."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    world = 3
+    transform = load_transform_index(wheel_source()).transform_index_page_table_dcp
+    _, _, kv = _traffic(9)
+    addrs = torch.arange(1, 60)
+    table = torch.tensor([[5, 17, 2, 40, -1], [33, 34, 35, 1, 59]], dtype=torch.int32)
+    counted = 0
+    for rank in range(world):
+        pool = ulakv.Pool(_config(world, rank, ExactLRU()))
+        pool.admit_addresses(addrs)
+        for layer in range(LAYERS):
+            pool.write(layer, addrs, kv[layer, addrs])
+        block, counts = DcpLocalizer(pool).localize(0, table)
+        want_block, want_counts = transform(table, world, rank)
+        assert torch.equal(counts, want_counts)
+        for i in range(table.shape[0]):
+            n = int(counts[i])
+            mine = want_block[i, :n].long() * world + rank  # back to the global slots
+            assert torch.equal(pool.gpu_buffer(0)[block[i, :n].long()], kv[0, mine])
+            counted += n
+        with pytest.raises(ulakv.UlakvError, match=r"torch\.distributed"):
+            pool.read(0, addrs[:2])
+    assert counted == int((table >= 0).sum())

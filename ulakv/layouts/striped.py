@@ -57,15 +57,12 @@ class StripedPool(PoolFrame):
 
     def __init__(self, config: PoolConfig) -> None:
         lay: Striped = config.layout
-        # On the meta device (a capacity plan: no data, no collectives) no process group is needed.
-        if config.torch_device.type != "meta":
-            if not dist.is_available() or not dist.is_initialized():
-                raise UlakvError("a Striped pool needs torch.distributed initialised first")
-            if dist.get_world_size() != lay.world or dist.get_rank() != lay.rank:
-                raise UlakvError(
-                    f"Striped(world={lay.world}, rank={lay.rank}) but torch.distributed has world "
-                    f"{dist.get_world_size()}, rank {dist.get_rank()}"
-                )
+        # On the meta device (a capacity plan: no data, no collectives) no process group is needed,
+        # nor in local mode, whose calls never communicate (only ``read`` gathers, and checks then):
+        # an engine's DCP group is a subgroup of its tensor-parallel world (SGLang: --dcp-size
+        # dividing --tp-size), so the default group's world need not be ``Striped.world``.
+        if config.torch_device.type != "meta" and not lay.local:
+            self._check_process_group(lay, "a fetch-mode Striped pool")
         self.config = config
         self.device = config.torch_device
         self.world, self.rank = lay.world, lay.rank
@@ -409,9 +406,22 @@ class StripedPool(PoolFrame):
         return slots
 
     # -- slow paths ------------------------------------------------------------------------------
+    @staticmethod
+    def _check_process_group(lay: Striped, what: str) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise UlakvError(f"{what} needs torch.distributed initialised first")
+        if dist.get_world_size() != lay.world or dist.get_rank() != lay.rank:
+            raise UlakvError(
+                f"Striped(world={lay.world}, rank={lay.rank}) but torch.distributed has world "
+                f"{dist.get_world_size()}, rank {dist.get_rank()}"
+            )
+
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
-        """Collective: the bytes of ``addrs`` from their homes, on every rank (synchronises)."""
+        """Collective: the bytes of ``addrs`` from their homes, on every rank (synchronises). Needs
+        ``torch.distributed`` with the pool's world and rank, in local mode too."""
         self._need_kernels("read")
+        if self.local:
+            self._check_process_group(self.config.layout, "read (a gather from every rank)")
         self._check_usable()
         self.check()
         self.inner._check_layer(layer)
