@@ -26,7 +26,11 @@ Sections, in order (a failed check stops the suite before any timing):
    replayed; replay time against the eager step; the replayed slots hold the right bytes.
 7. ``striped_graph``: a striped rank's ``prepare`` in both attention modes (a process group of one
    rank: NCCL on the device, gloo on CPU), fetch mode with its all-gather, captured in a CUDA graph
-   and replayed on fresh selections; the replayed slots hold the right bytes.
+   and replayed on fresh selections; the replayed slots hold the right bytes. ``dcp``: SGLang's
+   decode context parallelism over ulakv, the 4 ranks of a group in one process (``SGLangDcpStore``
+   each, a GPU cache of half a step's share), every rank's rows read through its block table
+   against SGLang's DCP transform (its torch twin) over a dense sharded pool, then one rank's
+   localisation captured in a CUDA graph and replayed on fresh page tables.
 8. ``requests``: what a request costs outside ``prepare``, on the stream decode runs on: an
    engine-owned pool of 61 one-layer groups (DSA under SGLang: an indexer per layer), a decode
    step's admission of 256 new tokens, a 16K-token prompt's admission, and its release once its
@@ -75,6 +79,8 @@ import torch
 
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Striped, Tiered
 from ulakv.engine import SparseKV
+from ulakv.integrations.sglang.dcp import sglang_dcp_reference
+from ulakv.integrations.sglang.dcp_store import DcpStoreConfig, SGLangDcpStore
 from ulakv.kernels import common as K
 from ulakv.kernels import gather as gather_mod
 from ulakv.kernels import release as release_mod
@@ -699,6 +705,99 @@ def _striped_step(device: torch.device, sizes: Sizes, attention: str) -> dict:
     return {**row, "captured": "replayed correctly", "rows_checked": checked, "replay_us": replay * 1e6}
 
 
+# -- SGLang's decode context parallelism over ulakv ----------------------------------------------------
+DCP_RANKS = 4
+
+
+def dcp_localize(device: torch.device, sizes: Sizes) -> list[dict]:
+    """SGLang's DCP over ulakv on one GPU: the ``DCP_RANKS`` ranks of a group in one process (a
+    local-mode rank needs no process group), each an ``SGLangDcpStore`` whose GPU cache holds half
+    a step's selection of its share; every step the same page table (``loc`` of random top-k
+    picks, a padding request of loc 0) localised on every rank, its rows read through the block
+    table against SGLang's transform over a dense sharded pool, then one rank's localisation
+    captured in a CUDA graph and replayed on fresh page tables."""
+    D, B, K = DCP_RANKS, sizes.graph_batch, sizes.topk
+    tokens = max(sizes.context, 4 * K)
+    gpu = max(B * K // 2, 8)
+    ratio = -(-(B * tokens + 1) // (D * gpu)) + 1
+    stores = [
+        SGLangDcpStore(
+            DcpStoreConfig(
+                layers=1,
+                bytes_per_token=ROW,
+                device_tokens=gpu,
+                host_to_device_ratio=ratio,
+                dcp_size=D,
+                dcp_rank=r,
+                device=device,
+                validate=False,
+            )
+        )
+        for r in range(D)
+    ]
+    gen = torch.Generator().manual_seed(11)
+    loc = (torch.randperm(stores[0].config.address_space - 1, generator=gen)[: B * tokens] + 1).view(
+        B, tokens
+    )
+    rows = torch.randint(0, 256, (B * tokens, ROW), dtype=torch.uint8, generator=gen)
+    dense = []
+    for r, store in enumerate(stores):
+        flat = loc.reshape(-1).to(device)
+        store.admit(flat)
+        store.write(0, flat, rows.to(device))
+        mine = loc.reshape(-1) % D == r
+        table = torch.zeros((-(-store.config.address_space // D), ROW), dtype=torch.uint8)
+        table[loc.reshape(-1)[mine] // D] = rows[mine]
+        dense.append(table.to(device))
+
+    def page_table() -> torch.Tensor:
+        picks = torch.stack([torch.randperm(tokens, generator=gen)[:K] for _ in range(B)])
+        table = torch.gather(loc, 1, picks)
+        table[:, -1] = -1  # a short row
+        return torch.cat([table, torch.zeros((1, K), dtype=table.dtype)]).to(torch.int32).to(device)
+
+    checked = 0
+    for _ in range(max(sizes.steps, 2)):
+        pt = page_table()
+        for r, store in enumerate(stores):
+            block, counts = store.localize(0, pt)
+            want_block, want_counts = sglang_dcp_reference(pt[:-1], D, r)
+            if int(counts[-1]) != 0 or not torch.equal(counts[:-1], want_counts):
+                raise AssertionError(f"rank {r}: counts differ from SGLang's")
+            kv = store.kv_rows(0).view(-1, ROW)
+            valid = want_block >= 0
+            if not torch.equal(kv[block[:-1][valid].long()], dense[r][want_block[valid].long()]):
+                raise AssertionError(f"rank {r}: rows read through the block table differ from SGLang's")
+            checked += int(valid.sum())
+    moved = {k: sum(st.pool.stats()[k] for st in stores) for k in ("misses", "victims")}
+    row = {"ranks": D, "batch": B, "topk": K, "gpu_slots_a_rank": gpu, "rows_checked": checked, **moved}
+    if device.type != "cuda":
+        return [{**row, "captured": "skipped: needs CUDA"}]
+    store = stores[1]
+    pt = page_table()
+    out = torch.empty_like(pt)
+    counts = torch.empty(pt.shape[0], dtype=torch.int32, device=device)
+    store.localize(0, pt, out=out, counts=counts)  # warm-up: compiles, sizes the scratch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store.localize(0, pt, out=out, counts=counts)
+    for _ in range(3):
+        pt.copy_(page_table())
+        graph.replay()
+        torch.cuda.synchronize()
+        store.pool.check()
+        want_block, want_counts = sglang_dcp_reference(pt[:-1], D, 1)
+        valid = want_block >= 0
+        kv = store.kv_rows(0).view(-1, ROW)
+        if not torch.equal(counts[:-1], want_counts) or not torch.equal(
+            kv[out[:-1][valid].long()], dense[1][want_block[valid].long()]
+        ):
+            raise AssertionError("a replayed localisation differs from SGLang's")
+    replay = timed(lambda i: (pt.copy_(page_table()), graph.replay()), sizes.steps, device)
+    eager = timed(lambda i: store.localize(0, pt), sizes.steps, device)
+    return [{**row, "captured": "replayed correctly", "eager_us": eager * 1e6, "replay_us": replay * 1e6}]
+
+
 # -- 8. a request's admission and release --------------------------------------------------------------
 def request_calls(device: torch.device, sizes: Sizes) -> list[dict]:
     """An engine-owned pool's calls outside ``prepare``: each runs between decode steps on their
@@ -911,6 +1010,11 @@ def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callabl
             "striped_graph",
             "a striped rank's prepare in a CUDA graph (world 1)",
             lambda r: striped_graph(device, sizes),
+        ),
+        (
+            "dcp",
+            f"SGLang's DCP over ulakv: {DCP_RANKS} ranks in one process, against SGLang's transform",
+            lambda r: dcp_localize(device, sizes),
         ),
         (
             "requests",

@@ -55,6 +55,8 @@ def test_gpu_suite_smoke(tmp_path: Path) -> None:
     steps = results["whole_step"]  # a step's calls apart, then one plan a group: fewer launches
     assert [row["calls"] for row in steps] == ["write + prepare", "one plan"]
     assert steps[1]["launches"] < steps[0]["launches"]
+    (dcp,) = results["dcp"]  # every rank's rows against SGLang's transform, the GPU cache evicting
+    assert dcp["ranks"] == 4 and dcp["rows_checked"] > 0 and dcp["victims"] > 0
     requests = results["requests"]
     assert len(requests) == 6 and all(row["us"] > 0 and row["groups"] == 3 for row in requests)
 

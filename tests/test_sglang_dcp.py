@@ -18,7 +18,7 @@ import torch
 import ulakv
 from ulakv import PBLRU, EntrySpec, ExactLRU, PoolConfig, Striped, Tiered
 from ulakv.errors import ConfigError, InvalidAddressError, InvalidInputError
-from ulakv.integrations.sglang.dcp import DcpLocalizer
+from ulakv.integrations.sglang.dcp import DcpLocalizer, sglang_dcp_reference
 from ulakv.integrations.sglang.wheel import load_transform_index, wheel_source
 from ulakv.spawn import run_ranks
 
@@ -271,3 +271,15 @@ def test_the_ranks_of_a_dcp_group_need_no_process_group() -> None:
         with pytest.raises(ulakv.UlakvError, match=r"torch\.distributed"):
             pool.read(0, addrs[:2])
     assert counted == int((table >= 0).sum())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_the_torch_reference_equals_sglangs_kernel(world) -> None:
+    transform = load_transform_index(wheel_source()).transform_index_page_table_dcp
+    gen = torch.Generator().manual_seed(world)
+    table = torch.randint(-1, 500, (9, 37), dtype=torch.int32, generator=gen)
+    table[3] = -1  # a padding row
+    for rank in range(world):
+        want = transform(table, world, rank)
+        got = sglang_dcp_reference(table, world, rank)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -113,3 +113,16 @@ class DcpLocalizer:
         self.prepares += 1
         self.last = LocalPageTable(layer, group, block_table, found, page_table, step)
         return block_table, found
+
+
+def sglang_dcp_reference(page_table: torch.Tensor, dcp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's ``transform_index_page_table_dcp`` in plain torch (what ``localize`` replaces): each
+    row's slots homed on ``rank`` (``s % dcp``) as their rows ``s // dcp``, packed to the front in
+    the row's order, -1 after; and the counts, int32. Held to SGLang's kernel by
+    ``tests/test_sglang_dcp.py``; the GPU suite's oracle, where SGLang's wheel is absent."""
+    owned = (page_table >= 0) & (page_table % dcp == rank)
+    order = torch.argsort((~owned).to(torch.int8), dim=1, stable=True)
+    packed = torch.gather(torch.div(page_table, dcp, rounding_mode="floor"), 1, order)
+    counts = owned.sum(dim=1, dtype=torch.int32)
+    keep = torch.arange(page_table.shape[1], device=page_table.device) < counts[:, None]
+    return torch.where(keep, packed, -1).to(torch.int32), counts
