@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from ulakv import CapacityError
 from ulakv.integrations.sglang.dcp_store import DcpStoreConfig, SGLangDcpStore
 from ulakv.integrations.sglang.layer_groups import group_starts_from_skips
 from ulakv.integrations.sglang.wheel import load_transform_index, wheel_source
@@ -164,3 +165,28 @@ def test_sizes_follow_sglangs_flags() -> None:
     inner = pool.layout.inner
     assert inner.gpu_slots == 1000 and inner.capacity == 4008  # the rank's share of [0, 32,064)
     assert pool.page_size == 64 and pool.layout.local
+
+
+def test_a_prefill_chunk_too_large_for_a_ranks_cache_is_refused_now() -> None:
+    """Prefill is not captured: its refusal is raised by the call itself (a non-validating pool,
+    as on a GPU), naming the limit, and nothing changes: the next chunk is served."""
+    cfg = DcpStoreConfig(
+        layers=1,
+        bytes_per_token=BYTES,
+        device_tokens=8,
+        host_to_device_ratio=4,
+        dcp_size=2,
+        dcp_rank=0,
+        page_size=8,
+        validate=False,
+    )
+    store = SGLangDcpStore(cfg)
+    loc = torch.arange(1, 41)
+    store.admit(loc)
+    store.write(0, loc, torch.zeros((40, BYTES), dtype=torch.uint8))
+    too_many = loc.view(2, 20).to(torch.int32)  # 20 loc homed on rank 0, its cache holds 8
+    with pytest.raises(CapacityError):
+        store.prefill_localize(0, too_many)
+    block, counts = store.prefill_localize(0, loc[:12].view(3, 4).to(torch.int32))
+    assert counts.tolist() == [2, 2, 2] and bool((block[:, 2:] == -1).all())
+    store.pool.check_invariants()

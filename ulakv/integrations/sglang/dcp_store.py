@@ -127,6 +127,15 @@ class SGLangDcpStore:
         after) and the counts (SGLang's ``seq_lens`` for its DCP attention)."""
         return self.localizer.localize(layer, page_table, step=metadata, out=out, counts=counts)
 
+    def prefill_localize(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's ``[tokens, topk]`` page table, localised as ``localize`` does, its
+        refusal raised now (prefill is not captured): ``CapacityError`` when the chunk's queries
+        together select more distinct ``loc`` homed on one rank than its GPU cache takes at once
+        (lower ``--chunked-prefill-size``)."""
+        out = self.localize(layer, page_table)
+        self.pool.check()
+        return out
+
     def kv_rows(self, layer: int) -> torch.Tensor:
         """uint8 ``[rows, 1, bytes_per_token]``: the rank's GPU rows as SGLang's ``kv_buffer`` (whole
         64-row pages; row ``device_tokens`` the dummy)."""
