@@ -47,7 +47,7 @@ def _serve(rank: int, world: int, seed: int) -> dict:
     )
     store = SGLangDcpStore(cfg)
     rng = random.Random(seed)  # the same on every rank: every rank makes the same calls
-    free_loc = list(range(1, cfg.address_space))
+    free_loc = list(range(cfg.page_size * world, cfg.address_space))  # SGLang's pages from the second
     rng.shuffle(free_loc)
     req_to_token = torch.zeros((6, 96), dtype=torch.int32)
     running: dict[int, list[int]] = {}
@@ -96,6 +96,8 @@ def _serve(rank: int, world: int, seed: int) -> dict:
             req_to_token[slot, : len(locs)] = torch.tensor(locs, dtype=torch.int32)
             running[slot] = locs
         reqs = list(running)
+        if not reqs:  # nothing decodes this step
+            continue
         for slot, loc in zip(reqs, alloc(len(reqs)), strict=True):  # a decode step's new tokens
             holders[loc] += 1
             req_to_token[slot, len(running[slot])] = loc
@@ -110,8 +112,10 @@ def _serve(rank: int, world: int, seed: int) -> dict:
                     picks = rng.sample(range(len(running[slot])), min(K, len(running[slot])))
                     topk[i, : len(picks)] = torch.tensor(picks, dtype=torch.int32)
                 topk[-1] = torch.tensor([rng.randrange(3) for _ in range(K)], dtype=torch.int32)
-                page_table = transform.transform_index_page_table_decode(req_to_token[batch], topk)
-            block, counts = store.localize(layer, page_table, metadata=metadata)
+            # A fresh page table every layer, as SGLang's backend makes it; a reusing layer passes
+            # the previous layer's top-k tensor, SGLang's reuse key.
+            page_table = transform.transform_index_page_table_decode(req_to_token[batch], topk)
+            block, counts = store.localize(layer, page_table, metadata=metadata, topk_indices=topk)
             want_block, want_counts = transform.transform_index_page_table_dcp(page_table, world, rank)
             kv = store.kv_rows(layer).view(-1, BYTES)
             assert int(counts[-1]) == 0 and bool((block[-1] == -1).all()), "a padding request reads nothing"
@@ -161,9 +165,10 @@ def test_sizes_follow_sglangs_flags() -> None:
         layers=61, bytes_per_token=656, device_tokens=1000, host_to_device_ratio=4, dcp_size=8, dcp_rank=3
     )
     pool = cfg.pool_config()
-    assert cfg.logical_tokens == 32_000 and pool.engine_addresses == 32_064
+    # SGLang's loc space under DCP, (size + page) x D, with size x ratio for size
+    assert cfg.logical_tokens == 32_000 and pool.engine_addresses == (4000 + 64) * 8
     inner = pool.layout.inner
-    assert inner.gpu_slots == 1000 and inner.capacity == 4008  # the rank's share of [0, 32,064)
+    assert inner.gpu_slots == 1000 and inner.capacity == 4064  # the rank's share
     assert pool.page_size == 64 and pool.layout.local
 
 

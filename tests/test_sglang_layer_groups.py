@@ -69,8 +69,18 @@ def test_bad_group_starts_are_config_errors() -> None:
             PoolConfig(**base, group_starts=bad)
     with pytest.raises(ConfigError, match="not both"):
         PoolConfig(**base, group_starts=(0, 2), layers_per_group=2)
-    with pytest.raises(InvalidInputError, match="first layer"):
-        group_starts_from_skips([True, False])
+    with pytest.raises(InvalidInputError, match="no layers"):
+        group_starts_from_skips([])
+
+
+def test_a_pipeline_stage_that_begins_on_a_reusing_layer_starts_a_group() -> None:
+    """GLM-5.3's second stage of two (layers 39-77) begins on a layer that reuses a top-k: its own
+    pool prepares it, so it starts a group; the stage's other groups are the model's."""
+    config = CONFIGS["glm-5.3"]
+    assert skips_topk(config, 39)
+    starts = group_starts_from_config(config, 39, 78)
+    whole = group_starts_from_config(config, 0, 78)
+    assert starts[0] == 0 and starts[1:] == tuple(s - 39 for s in whole if s > 39)
 
 
 @pytest.mark.parametrize("policy", [ExactLRU(), PBLRU(4)], ids=["exact_lru", "pblru4"])

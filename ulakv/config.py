@@ -333,8 +333,8 @@ class PoolConfig:
     when it does not divide ``num_layers`` the last group is shorter (78 = 19 x 4 + 2).
     ``group_starts`` says the groups one by one instead, as a model's configuration does: the first
     layer of each group, ascending from 0 (a model computes a fresh top-k at these layers and reuses
-    it in the layers up to the next; GLM-5.3: 21 groups of 78 layers, the first three of one layer,
-    then groups of four and the last of one: ``ulakv.integrations.sglang.layer_groups``).
+    it in the layers up to the next; GLM-5.3: 21 groups of 78 layers, the first two of one layer,
+    then nineteen of four: ``ulakv.integrations.sglang.layer_groups``).
     ``layers_per_group`` stays 1 when it is given.
     ``validate`` decides whether ``prepare``/``write`` read back a status word to raise on bad
     addresses at once (one device sync); ``None`` means yes on CPU, where reading it costs no sync,

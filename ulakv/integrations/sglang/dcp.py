@@ -36,8 +36,8 @@ from ...kernels.compact import compact_slots
 @dataclass
 class LocalPageTable:
     """One localisation: ``block_table`` int32 ``[rows, topk]`` (this rank's GPU slots, packed, then
-    -1) and ``counts`` int32 ``[rows]``; for ``layer`` (of ``group``), from the page table ``source``
-    of the step ``step`` (what the next layer compares to reuse it)."""
+    -1) and ``counts`` int32 ``[rows]``; for ``layer`` (of ``group``), from ``source`` (the top-k
+    tensor, or the page table) of the step ``step`` (what the next layer compares to reuse it)."""
 
     layer: int
     group: int
@@ -54,11 +54,11 @@ class DcpLocalizer:
     addresses (SGLang's token slots). ``localize(layer, page_table, step=...)`` returns the block
     table and counts for ``layer``. As SGLang's ``localize_dcp_page_table`` reuses a localisation,
     a call reuses the previous one only for the next layer (``layer == previous + 1``), of the same
-    group, with the same page table tensor and the same ``step`` object (SGLang's forward metadata,
-    not None); any other call prepares, so a page table refilled in place for the next step is
-    prepared again from the group's first layer. ``zero_is_padding``: 0 in a page table is padding
-    (SGLang's padding slot, which a captured batch's padding requests select), read as -1. Pass
-    ``out``/``counts`` buffers from a
+    group, with the same ``topk_indices`` tensor (else the same page table tensor) and the same
+    ``step`` object (SGLang's forward metadata, not None); any other call prepares, so a page table
+    refilled in place for the next step is prepared again from the group's first layer.
+    ``zero_is_padding``: 0 in a page table is padding (SGLang's padding slot, which a captured
+    batch's padding requests select), read as -1. Pass ``out``/``counts`` buffers from a
     CUDA-graph-captured step (a reused localisation is copied into them)."""
 
     def __init__(self, pool: PoolFrame, *, zero_is_padding: bool = False) -> None:
@@ -80,21 +80,25 @@ class DcpLocalizer:
         page_table: torch.Tensor,
         *,
         step: object = None,
+        topk_indices: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``page_table`` int32 ``[rows, topk]``: global token slots, -1 padding (the same on every
         rank). Returns ``(block_table, counts)`` as SGLang's ``localize_dcp_page_table`` does, with
-        this rank's GPU slots in place of its dense rows."""
+        this rank's GPU slots in place of its dense rows. ``topk_indices``: the selection the page
+        table was made from, SGLang's reuse key (it builds a fresh page table every layer, from
+        the same top-k tensor in the layers that reuse one); without it the page table is the key."""
         group = self.pool.config.group_of(layer)
         last = self.last
+        source = page_table if topk_indices is None else topk_indices
         if (
             last is not None
             and step is not None
             and last.step is step
             and last.layer == layer - 1
             and last.group == group
-            and last.source is page_table
+            and last.source is source
         ):
             last.layer = layer
             if out is not None and out is not last.block_table:
@@ -111,7 +115,7 @@ class DcpLocalizer:
         slots = self.pool.prepare(group, addresses).slots
         block_table, found = compact_slots(slots, out=out, counts=counts)
         self.prepares += 1
-        self.last = LocalPageTable(layer, group, block_table, found, page_table, step)
+        self.last = LocalPageTable(layer, group, block_table, found, source, step)
         return block_table, found
 
 

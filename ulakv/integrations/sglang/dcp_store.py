@@ -5,8 +5,9 @@ Under ``--dcp-size D`` SGLang keeps ``loc`` ``s`` on rank ``s % D`` at row ``s /
 device pool (``size`` rows). Here each rank's pool is ``Striped(world=D, rank, attention="local")``
 over the engine-owned addresses ``[0, N)``: the same homes, in a GPU cache of ``size`` slots shared
 by the rank's requests and, beneath it, an exclusive CPU tier, so that ``host_to_device_ratio``
-times as many ``loc`` are live at once as SGLang's DCP holds on its GPUs alone (``N = D x size x
-ratio + page_size``, each rank homing ``ceil(N / D)``). Every rank makes the same calls: it admits
+times as many ``loc`` are live at once as SGLang's DCP holds on its GPUs alone (``N = (size x ratio
++ page_size) x D``, SGLang's ``loc`` space with ``size x ratio`` for ``size``; each rank homes
+``N / D``). Every rank makes the same calls: it admits
 and releases every ``loc``, writes every new token's row (keeping those homed on it) and localises
 every page table (``DcpLocalizer``: its GPU slots of its own entries, packed, and the counts, for
 SGLang's DCP attention, which then merges the ranks' parts by their LSE as it does today).
@@ -65,8 +66,11 @@ class DcpStoreConfig:
 
     @property
     def address_space(self) -> int:
-        """``loc`` in ``[0, N)``: SGLang's allocator hands out ``[1, logical_tokens + page_size)``."""
-        return self.logical_tokens + self.page_size
+        """``loc`` in ``[0, N)``. Under DCP SGLang's paged allocator spans ``size x D`` tokens in
+        pages of ``page_size x D`` and hands out pages from the second, so ``loc`` runs over
+        ``[page x D, (size + page) x D)`` (its index buffer's ``(size + page) x D - page``); here
+        ``size x ratio`` in place of ``size``."""
+        return (self.device_tokens * self.host_to_device_ratio + self.page_size) * self.dcp_size
 
     def pool_config(self) -> PoolConfig:
         share = math.ceil(self.address_space / self.dcp_size)  # the most ``loc`` one rank homes
@@ -119,13 +123,18 @@ class SGLangDcpStore:
         page_table: torch.Tensor,
         *,
         metadata: object = None,
+        topk_indices: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """In place of SGLang's ``localize_dcp_page_table``: ``page_table`` int32 ``[rows, topk]`` of
         ``loc`` (-1 or 0 padding) -> this rank's block table (slots of ``kv_rows(layer)``, packed, -1
-        after) and the counts (SGLang's ``seq_lens`` for its DCP attention)."""
-        return self.localizer.localize(layer, page_table, step=metadata, out=out, counts=counts)
+        after) and the counts (SGLang's ``seq_lens`` for its DCP attention). ``metadata`` and
+        ``topk_indices`` (the layer's top-k tensor) are SGLang's reuse keys: a layer that reuses the
+        previous layer's top-k reuses its localisation."""
+        return self.localizer.localize(
+            layer, page_table, step=metadata, topk_indices=topk_indices, out=out, counts=counts
+        )
 
     def prefill_localize(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefill chunk's ``[tokens, topk]`` page table, localised as ``localize`` does, its

@@ -65,7 +65,8 @@ class UlakvKVPoolMixin:
         the rest on the CPU); ``ULAKV_SGLANG_POLICY`` (``lru``/``pblru``) picks the policy and
         ``ULAKV_SGLANG_MAX_BATCH`` (default ``max_running_requests``) bounds a step's batch.
         ``skip_topk_layers`` (SGLang's, from the model's configuration) makes each layer that computes
-        a fresh top-k start a layer group; without it every layer is a group."""
+        a fresh top-k start a layer group; without it (SGLang passes it only when it elides the
+        reusing layers' index keys, not with ``--enable-hisparse``) every layer is a group."""
         super().__init__(  # type: ignore[call-arg]  # SGLang's DSATokenToKVPool
             size=size,
             page_size=page_size,

@@ -44,12 +44,12 @@ def skips_topk(config: Any, layer: int) -> bool:
 
 def group_starts_from_skips(skips: Sequence[bool]) -> tuple[int, ...]:
     """``PoolConfig.group_starts`` from one flag a layer (SGLang's ``skip_topk_layers``: True where
-    the layer reuses the previous layer's top-k). The first layer must compute its own."""
+    the layer reuses the previous layer's top-k). The first layer always starts a group: a pipeline
+    stage that begins on a reusing layer gets its top-k from the stage before, which its own pool
+    has not prepared."""
     if not skips:
         raise InvalidInputError("group_starts_from_skips: no layers")
-    if skips[0]:
-        raise InvalidInputError("the first layer reuses a top-k, but no layer before it computes one")
-    return tuple(layer for layer, skip in enumerate(skips) if not skip)
+    return tuple(layer for layer, skip in enumerate(skips) if layer == 0 or not skip)
 
 
 def group_starts_from_config(config: Any, start_layer: int, end_layer: int) -> tuple[int, ...]:
