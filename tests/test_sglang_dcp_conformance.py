@@ -51,6 +51,18 @@ MUTATIONS = {
         "new_rule",
     ),
     "call-site-keyword": ("dsa_backend.py", "dcp_rank=", "rank_of_dcp=", "rank_of_dcp"),
+    "reuse-key-changed": (
+        "dsa_dcp.py",
+        "cache.topk_indices is topk_indices",
+        "cache.topk_indices == topk_indices",
+        "identity",
+    ),
+    "reuse-any-layer": (
+        "dsa_dcp.py",
+        "cache.layer_id == layer_id - 1",
+        "cache.layer_id < layer_id",
+        "layer_id - 1",
+    ),
     "pool-param-gone": (
         "memory_pool.py",
         "        skip_topk_layers: Optional[List[bool]] = None,\n",

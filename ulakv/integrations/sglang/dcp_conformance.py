@@ -1,7 +1,8 @@
 """What the DCP path and the shared top-k rely on in SGLang's source, checked with ``ast``.
 
 ``DcpLocalizer`` stands in for SGLang's ``localize_dcp_page_table`` (and its kernel
-``transform_index_page_table_dcp``), producing what ``dcp_trtllm_sparse_attention`` reads
+``transform_index_page_table_dcp``) and reuses a localisation by the same key (the next layer, the
+same top-k tensor), producing what ``dcp_trtllm_sparse_attention`` reads
 (``block_tables`` and the ``sparse_mla_top_k_lens`` keyword); ``layer_groups`` mirrors
 ``dsa_layer_skips_topk``, and the KV pool takes ``skip_topk_layers``. A renamed parameter, a
 function gone, a call site passing a keyword the function no longer takes, or a new rule in
@@ -123,6 +124,33 @@ def _in_order(want: tuple[str, ...], have: list[str]) -> bool:
     return len(at) == len(want) and at == sorted(at)
 
 
+def _reuse_key_problems(node: ast.AST) -> list[str]:
+    """``DcpLocalizer`` reuses a localisation as ``localize_dcp_page_table`` does: for the next
+    layer (``layer_id - 1``) and the same top-k tensor (``... is topk_indices``). Says what no
+    longer holds."""
+    identity = any(
+        isinstance(n, ast.Compare)
+        and any(isinstance(op, ast.Is) for op in n.ops)
+        and any(isinstance(c, ast.Name) and c.id == "topk_indices" for c in n.comparators)
+        for n in ast.walk(node)
+    )
+    previous = any(
+        isinstance(n, ast.BinOp)
+        and isinstance(n.op, ast.Sub)
+        and isinstance(n.left, ast.Name)
+        and n.left.id == "layer_id"
+        and isinstance(n.right, ast.Constant)
+        and n.right.value == 1
+        for n in ast.walk(node)
+    )
+    found = []
+    if not identity:
+        found.append("localize_dcp_page_table: no longer reuses by the top-k tensor's identity")
+    if not previous:
+        found.append("localize_dcp_page_table: no longer reuses for the next layer only (layer_id - 1)")
+    return found
+
+
 def problems(source: Path) -> list[str]:
     """What the DCP path expects of the SGLang source at ``source`` (the directory holding
     ``sglang/``) and does not find, a line each."""
@@ -140,6 +168,8 @@ def problems(source: Path) -> list[str]:
             continue
         have = _names(node)
         params[exp.name] = have
+        if exp.name == "localize_dcp_page_table":
+            found += _reuse_key_problems(node)
         if not _in_order(exp.params, have):
             found.append(f"{exp.name} ({exp.module}:{node.lineno}): expected {list(exp.params)} among {have}")
         keys = _string_keys(node)
