@@ -7,10 +7,10 @@ over the engine-owned addresses ``[0, N)``: the same homes, in a GPU cache of ``
 by the rank's requests and, beneath it, an exclusive CPU tier, so that ``host_to_device_ratio``
 times as many ``loc`` are live at once as SGLang's DCP holds on its GPUs alone (``N = (size x ratio
 + page_size) x D``, SGLang's ``loc`` space with ``size x ratio`` for ``size``; each rank homes
-``N / D``). Every rank makes the same calls: it admits
-and releases every ``loc``, writes every new token's row (keeping those homed on it) and localises
-every page table (``DcpLocalizer``: its GPU slots of its own entries, packed, and the counts, for
-SGLang's DCP attention, which then merges the ranks' parts by their LSE as it does today).
+``N / D``). Every rank makes the same calls: it admits and releases every ``loc``, writes every new
+token's row (keeping those homed on it) and localises every page table (``DcpLocalizer``: its GPU
+slots of its own entries, packed, and the counts, for SGLang's DCP attention, which then merges the
+ranks' parts by their LSE as it does today).
 
 What SGLang keeps apart under DCP is left as it is: the indexer's keys stay in SGLang's own pool,
 on every rank's GPU, for every ``loc`` of the DCP group (SGLang sizes that buffer ``(size +
