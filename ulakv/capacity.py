@@ -624,27 +624,9 @@ class _Planner:
         the index keys of every token on every rank."""
         if self.sc.mode == "DP":
             return self.gpu_only(stream, n)
-        world, lengths = self.sc.world, self.lengths(stream, n)
-        index = self._every_token_keys(lengths)
-        index_gpu = pool_bytes(index, index=True).gpu_index
-
-        def build(slots: int):
-            return Pool(self.latent_config(_local(world, Tiered(gpu_slots=slots))))
-
-        slots = _fit_slots(build, self.sc.kv_budget() - index_gpu, lambda p: pool_bytes(p).gpu_rows)
-        charged = Bytes(gpu_index=index_gpu)
-        if slots < 1:
-            return _Fit(False, charged, [], "GPU memory (the index keys of every token on every rank)")
-        latent = build(slots)
-        charged = Bytes(gpu_rows=pool_bytes(latent).gpu_rows, gpu_index=index_gpu)
-        pools = [
-            f"latent: {latent.config.layout}",
-            f"index keys: every token on every rank, {sum(lengths)} slots",
-        ]
-        ok = _admits([latent, index], lengths)
-        return _Fit(
-            ok, charged, pools, "GPU KV memory of all ranks (index keys on every rank)", latent.config.layout
-        )
+        world = self.sc.world
+        keys = self._every_token_keys(self.lengths(stream, n))
+        return self._rows_only(stream, n, lambda s: _local(world, Tiered(gpu_slots=s)), " of all ranks", keys)
 
     def sglang_dcp_ulakv(self, stream: int, n: int) -> _Fit:
         """What the SGLang DCP adapter builds (``SGLangDcpStore``): SGLang's DCP with ulakv's local
@@ -652,27 +634,19 @@ class _Planner:
         left as SGLang keeps them (every token on every rank)."""
         if self.sc.mode == "DP":
             return self._tiered(stream, n)
-        world, lengths = self.sc.world, self.lengths(stream, n)
-        per_home = math.ceil(n * self.union * self.shape.home_share)
-        index = self._every_token_keys(lengths)
-        return self._fit_ulakv(
-            n,
-            lengths,
-            index,
-            staging=per_home,
-            need=per_home,
-            wrap=lambda inner: _local(world, inner),
-            what="one step's home share",
-            where=" of all ranks",
-        )
+        return self._striped(stream, n, local=True, index=self._every_token_keys(self.lengths(stream, n)))
 
-    def _rows_only(self, stream: int, n: int, layout_of: Callable[[int], object], where: str) -> _Fit:
+    def _rows_only(
+        self, stream: int, n: int, layout_of: Callable[[int], object], where: str, keys: object = None
+    ) -> _Fit:
         """A GPU-only baseline: latent and index-key pools of ``layout_of(slots)`` with the most
-        slots the budget buys, charged for their rows only."""
+        slots the budget buys, charged for their rows only. ``keys``: an index-key pool of its own
+        instead (SGLang's DCP: every token's keys on every rank), the latent taking what it leaves."""
 
         def build(slots: int) -> tuple[object, object, object]:
             layout = layout_of(slots)
-            return layout, Pool(self.latent_config(layout)), Pool(self.index_config(layout))
+            index = keys if keys is not None else Pool(self.index_config(layout))
+            return layout, Pool(self.latent_config(layout)), index
 
         def charged(latent, index) -> Bytes:  # the baseline's rows only, which flatters it
             index_rows = pool_bytes(index, index=True).gpu_index
@@ -680,11 +654,21 @@ class _Planner:
 
         slots = _fit_slots(build, self.sc.kv_budget(), lambda built: charged(*built[1:]).gpu)
         if slots < 1:
-            return _Fit(False, Bytes(), [], "weights leave no KV memory")
+            why = (
+                "weights leave no KV memory"
+                if keys is None
+                else "GPU memory (the index keys of every token on every rank)"
+            )
+            return _Fit(False, Bytes(), [], why)
         layout, latent, index = build(slots)
-        pools = [f"latent: {layout}", "index keys: the same slots"]
+        if keys is None:
+            pools, limit = [f"latent: {layout}", "index keys: the same slots"], f"GPU KV memory{where}"
+        else:
+            slots_held = index.config.layout.gpu_slots
+            pools = [f"latent: {layout}", f"index keys: every token on every rank, {slots_held} slots"]
+            limit = f"GPU KV memory{where} (index keys on every rank)"
         ok = _admits([latent, index], self.lengths(stream, n))
-        return _Fit(ok, charged(latent, index), pools, f"GPU KV memory{where}", layout)
+        return _Fit(ok, charged(latent, index), pools, limit, layout)
 
     def cpu_offload(self, stream: int, n: int) -> _Fit:
 
@@ -717,10 +701,12 @@ class _Planner:
         index = Pool(self.index_config(Tiered(gpu_slots=max(1, sum(lengths)))))
         return self._fit_ulakv(n, lengths, index, staging=working, need=working, wrap=lambda t: t)
 
-    def _striped(self, stream: int, n: int, local: bool = False) -> _Fit:
+    def _striped(self, stream: int, n: int, local: bool = False, index: object = None) -> _Fit:
         """ulakv under TP: each rank the slice of its homes. Fetch mode adds a buffer of one step's
         union on every rank; local mode (decode context parallelism) attends where the entries
-        live, so a rank's GPU needs only its home share, and keeps no buffer."""
+        live, so a rank's GPU needs only its home share, and keeps no buffer. ``index``: an
+        index-key pool of its own instead of keys striped alike (SGLang's DCP keeps every token's
+        keys on every rank)."""
 
         world = self.sc.world
         lengths = self.lengths(stream, n)
@@ -735,7 +721,7 @@ class _Planner:
             index_layout = Striped(world=world, rank=0, buffer_slots=1, inner=index_inner)
             fetch = dict(world=world, rank=0, buffer_slots=working, policy=self.sc.policy)
             wrap, what = (lambda inner: Striped(**fetch, inner=inner)), "the buffer and one step's share"
-        index = Pool(self.index_config(index_layout))
+        index = index if index is not None else Pool(self.index_config(index_layout))
         return self._fit_ulakv(
             n, lengths, index, staging=per_home, need=per_home, wrap=wrap, what=what, where=" of all ranks"
         )
@@ -875,9 +861,8 @@ class _Planner:
 BASELINES = ("gpu_only", "cpu_offload", "dcp")
 ULAKV_MODES = ("ulakv", "ulakv_local")
 SYSTEMS = BASELINES + ULAKV_MODES
-# SGLang as it serves DSA models, and what its DCP adapter builds (``ulakv capacity --sglang``):
-# GPU only, HiSparse (its CPU-offload design), DCP with its index keys on every rank, and that DCP
-# over ulakv's local mode.
+# ``ulakv capacity --systems sglang``: SGLang as it serves DSA models (GPU only, HiSparse, DCP with
+# its index keys on every rank) and what its DCP adapter builds (that DCP over ulakv's local mode).
 SGLANG_BASELINES = ("gpu_only", "cpu_offload", "sglang_dcp")
 SGLANG_ULAKV = ("sglang_dcp_ulakv",)
 SGLANG_SYSTEMS = SGLANG_BASELINES + SGLANG_ULAKV
