@@ -98,7 +98,9 @@ class UlakvSparseCoordinator:
         """Built by SGLang's model runner with HiSparse's arguments; the pool and its sizes come from
         the ulakv KV pool the allocator serves (``ulakv_store``). ``device_buffer_size``,
         ``host_to_device_ratio`` and ``swap_in_block_size`` size HiSparse's own buffers and have no
-        counterpart; ``shared_index_layers`` is served by the pool's layer groups."""
+        counterpart. ``shared_index_layers`` is not used: the pool's layer groups were fixed when the
+        KV pool was built, before this, from SGLang's ``skip_topk_layers``, which SGLang does not pass
+        with ``--enable-hisparse`` (so each layer is a group of its own there, for now)."""
         store = token_to_kv_pool_allocator.get_kvcache().ulakv_store
         store.bound(max_queries=max(num_draft_tokens, 1), top_k=top_k)  # speculative verify: [B, Q, K]
         self._setup(store, req_to_token_pool.req_to_token, top_k, sglang_transform())

@@ -31,6 +31,7 @@ import torch
 from ...errors import InvalidInputError
 from ...frame import PoolFrame
 from ...kernels.compact import compact_slots
+from .store import loc_addresses
 
 
 @dataclass
@@ -111,7 +112,7 @@ class DcpLocalizer:
                 f"localize: page_table must be int32 [rows, topk], got {page_table.dtype} "
                 f"{tuple(page_table.shape)}"
             )
-        addresses = torch.where(page_table == 0, -1, page_table) if self.zero_is_padding else page_table
+        addresses = loc_addresses(page_table) if self.zero_is_padding else page_table
         slots = self.pool.prepare(group, addresses).slots
         block_table, found = compact_slots(slots, out=out, counts=counts)
         self.prepares += 1

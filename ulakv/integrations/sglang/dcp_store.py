@@ -33,7 +33,7 @@ from ...config import EntrySpec, ExactLRU, PolicyConfig, PoolConfig, Striped, Ti
 from ...errors import InvalidInputError
 from ...pool import Pool
 from .dcp import DcpLocalizer
-from .store import FLASHMLA_PAGE
+from .store import FLASHMLA_PAGE, loc_addresses
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,7 @@ class SGLangDcpStore:
         self.pool = Pool(config.pool_config())
         self.localizer = DcpLocalizer(self.pool, zero_is_padding=True)
 
-    @staticmethod
-    def addresses(loc: torch.Tensor) -> torch.Tensor:
-        """SGLang's ``loc`` as pool addresses: 0 (its padding slot) becomes -1; one device op."""
-        return torch.where(loc == 0, -1, loc)
+    addresses = staticmethod(loc_addresses)
 
     def admit(self, loc: torch.Tensor) -> None:
         """New tokens' ``loc`` (a decode step's ``out_cache_loc``, a prefill's extend): live now."""

@@ -27,6 +27,11 @@ from ...pool import Pool
 FLASHMLA_PAGE = 64
 
 
+def loc_addresses(loc: torch.Tensor) -> torch.Tensor:
+    """SGLang's ``loc`` as pool addresses: 0 (SGLang's padding slot) becomes -1; one device op."""
+    return torch.where(loc == 0, -1, loc)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """How SGLang's HiSparse sizes map onto one ulakv pool (per rank: DP attention runs one each).
@@ -109,10 +114,7 @@ class SGLangStore:
         self._steps.clear()
 
     # -- addresses ---------------------------------------------------------------------------------
-    @staticmethod
-    def addresses(loc: torch.Tensor) -> torch.Tensor:
-        """SGLang's ``loc`` as pool addresses: 0 (SGLang's padding slot) becomes -1; one device op."""
-        return torch.where(loc == 0, -1, loc)
+    addresses = staticmethod(loc_addresses)
 
     def admit(self, loc: torch.Tensor) -> None:
         """New tokens' slots (a decode step's ``out_cache_loc``, a prefill's extend): live now."""
