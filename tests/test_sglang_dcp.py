@@ -158,14 +158,18 @@ def _refusals(rank: int, world: int) -> list[str]:
     pool = ulakv.Pool(_config(world, rank, ExactLRU()))
     localizer = DcpLocalizer(pool)
     pool.admit_addresses(torch.tensor([0, 1, 2, 3, 4, 5]))
+    calls = [  # 6..9 were never admitted, N is out of range, 5 is live already
+        lambda: localizer.localize(0, torch.tensor([[6, 7]], dtype=torch.int32)),
+        lambda: localizer.localize(0, torch.tensor([[0, 9]], dtype=torch.int32)),
+        lambda: pool.admit_addresses(torch.tensor([5, 5])),
+        lambda: localizer.localize(0, torch.tensor([[N]], dtype=torch.int32)),
+    ]
     said = []
-    for bad in ([6, 7], [0, 9], [5, 5], [N]):  # 6..9 and N not admitted or out of range; 5 admitted
+    for call in calls:
         try:
-            pool.admit_addresses(torch.tensor(bad)) if bad == [5, 5] else localizer.localize(
-                0, torch.tensor([bad], dtype=torch.int32)
-            )
+            call()
         except (InvalidAddressError, InvalidInputError) as exc:
-            said.append(type(exc).__name__)
+            said.append(f"{type(exc).__name__}: {exc}")
     pool.check_invariants()
     assert pool.stats()["live_addresses"] == 6
     return said
