@@ -85,3 +85,82 @@ def test_a_changed_source_is_named(case: str, pinned: Path, tmp_path: Path) -> N
     found = dcp_conformance.problems(tmp_path)
     assert any(said in line for line in found), found
     assert dcp_conformance.main(["--source", str(tmp_path)]) == 1
+
+
+# What ``dcp_hooks`` reads, beside the files above.
+HOOK_FILES = sorted(
+    {
+        "sglang/srt/arg_groups/model_overrides/deepseek_v2.py",
+        "sglang/srt/mem_cache/kv_cache_configurator.py",
+        "sglang/srt/layers/attention/dsa_backend.py",
+        "sglang/srt/layers/attention/dsa/dsa_dcp.py",
+        "sglang/srt/model_executor/pool_configurator.py",
+        "sglang/srt/runtime_context.py",
+        "sglang/srt/arg_groups/fields/parallel.py",
+        "sglang/srt/plugins/hook_registry.py",
+    }
+)
+
+HOOK_MUTATIONS = {
+    "overrides-renamed": (
+        "deepseek_v2.py",
+        "def _dsa_dcp_overrides(cfg",
+        "def _dsa_dcp_overrides_v2(cfg",
+        "no _dsa_dcp_overrides",
+    ),
+    "refusal-gone": (
+        "deepseek_v2.py",
+        'raise ValueError("DSA DCP does not support HiSparse or HiCache.")',
+        "pass",
+        "no longer refuses HiSparse",
+    ),
+    "is-prefill-dropped": ("dsa_backend.py", "                is_prefill=True,\n", "", "is_prefill="),
+    "cache-attr-renamed": (
+        "dsa_backend.py",
+        "self._dcp_page_table_cache = DcpPageTableCache()",
+        "self._dcp_cache = DcpPageTableCache()",
+        "self._dcp_page_table_cache",
+    ),
+    "allocator-widened": (
+        "kv_cache_configurator.py",
+        "HiSparseTokenToKVPoolAllocator(\n                            sizes.max_total_num_tokens,",
+        "HiSparseTokenToKVPoolAllocator(\n                            sizes.max_total_num_tokens * 2,",
+        "widens it by dcp_size",
+    ),
+    "index-not-counted": (
+        "pool_configurator.py",
+        "indexer_cell_size *= dcp_size",
+        "indexer_cell_size *= 1",
+        "dcp_size times",
+    ),
+    "around-convention": (
+        "hook_registry.py",
+        "return hook(original_fn, *args, **kwargs)",
+        "return hook(*args, original_fn=original_fn, **kwargs)",
+        "hook(original_fn",
+    ),
+    "groups-not-read": (
+        "kv_cache_configurator.py",
+        "self.layer_info.",
+        "self.layers_info.",
+        "self.layer_info.start_layer",
+    ),
+}
+
+
+def test_the_pinned_wheel_meets_every_hook_expectation(pinned: Path) -> None:
+    assert dcp_conformance.hook_problems(pinned) == []
+
+
+@pytest.mark.parametrize("case", sorted(HOOK_MUTATIONS))
+def test_a_changed_hook_target_is_named(case: str, pinned: Path, tmp_path: Path) -> None:
+    name, old, new, said = HOOK_MUTATIONS[case]
+    for rel in HOOK_FILES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(pinned / rel, tmp_path / rel)
+    target = next(tmp_path / rel for rel in HOOK_FILES if rel.endswith("/" + name))
+    text = target.read_text()
+    assert old in text, f"{case}: the pinned source changed under the test"
+    target.write_text(text.replace(old, new))
+    found = dcp_conformance.hook_problems(tmp_path)
+    assert found and any(said in line for line in found), found

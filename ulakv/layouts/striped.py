@@ -154,6 +154,13 @@ class StripedPool(PoolFrame):
         is out of range, not live, or given twice."""
         self._engine_call("release_addresses", addrs, admit=False)
 
+    def live_addresses(self) -> torch.Tensor:
+        """int64 ``[live]``: the engine's live addresses, ascending, the same on every rank (reads
+        the flags back: a sync; for an engine that clears its whole cache, and for tests)."""
+        if self._engine_n is None:
+            raise InvalidInputError("live_addresses: this pool hands out its own addresses (sequences)")
+        return torch.nonzero(self._live).flatten()
+
     def _engine_call(self, what: str, addrs: torch.Tensor, admit: bool) -> None:
         if self._engine_n is None:
             raise InvalidInputError(

@@ -8,6 +8,11 @@ capacity: the logical allocator's size is the pool's ``gpu_slots + cpu_slots``
 (``size x host_to_device_ratio``), so the scheduler's ``available_size`` is exact and admission
 never fails on the device.
 
+Under ``--dcp-size D`` the ``loc`` space spans the DCP group, as SGLang's DCP allocator does: ``size
+x ratio x D`` tokens in pages of ``page_size x D`` (the ``loc`` of one page are homed on the ranks in
+turn), handed out from the second page, so ``loc`` run over the ``[0, (size x ratio + page_size) x
+D)`` of ``DcpStoreConfig.address_space``. Every rank allocates alike and admits every ``loc``.
+
 ``install()`` puts :class:`UlakvAllocatorMixin` in front of SGLang's ``BaseTokenToKVPoolAllocator``;
 SGLang's own classes are imported only when an allocator is built.
 """
@@ -18,7 +23,9 @@ from typing import Any
 
 import torch
 
+from . import dcp_hooks
 from .coordinator import UnsupportedBySGLangAdapter
+from .dcp_store import SGLangDcpStore
 from .store import SGLangStore
 
 
@@ -26,7 +33,7 @@ class UlakvAllocatorMixin:
     """Mixed in front of ``BaseTokenToKVPoolAllocator`` by ``install()``
     (``UlakvTokenToKVPoolAllocator``)."""
 
-    logical_attn_allocator: Any  # SGLang's paged allocator over [1, size_full + page_size)
+    logical_attn_allocator: Any  # SGLang's paged allocator over [page_size, size_full + page_size)
     compress_ratio: int
     page_size: int
 
@@ -43,8 +50,10 @@ class UlakvAllocatorMixin:
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.platforms import current_platform
 
+        dcp_size, _ = dcp_hooks.dcp_group()
         self._kvcache = kvcache
-        self._size_full = size * host_to_device_ratio
+        self._size_full = size * host_to_device_ratio * dcp_size
+        page_size *= dcp_size  # a DCP page: page_size loc a rank (SGLang's DCP allocator's)
         self.compress_ratio = 1
         self.dtype, self.device, self.page_size, self.need_sort = dtype, device, page_size, need_sort
         paged = current_platform.get_paged_allocator_cls() or PagedTokenToKVPoolAllocator
@@ -53,7 +62,7 @@ class UlakvAllocatorMixin:
         self._spec_scratch_capacity = 0
 
     @property
-    def store(self) -> SGLangStore:
+    def store(self) -> SGLangStore | SGLangDcpStore:
         return self._kvcache.ulakv_store
 
     # -- sizes -----------------------------------------------------------------------------------

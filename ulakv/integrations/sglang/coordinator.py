@@ -17,6 +17,10 @@ What HiSparse needs and ulakv does not:
 - freeing at ``request_finished``: slots belong to SGLang's allocator, which frees them (and so
   releases them here) when no request or cached prefix holds them; a shared prefix is one entry.
 
+Under ``--dcp-size N`` the KV pool is an ``SGLangDcpStore`` and the DSA backend localises page
+tables itself (``dcp_hooks``): the coordinator keeps the request lifecycle, and
+``swap_in_selected_pages``, which only backends other than SGLang's DCP one call, is refused.
+
 Not supported (raise ``UnsupportedBySGLangAdapter``): prefill/decode disaggregation's direct-to-host
 admission (``admit_request_direct`` and the host-pool attributes it reads), DeepSeek-V4's compressed
 HiSparse, and MiniMax-M3's block swap-in.
@@ -30,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...errors import UlakvError
+from .dcp_store import SGLangDcpStore
 from .store import SGLangStore
 
 Transform = Callable[..., torch.Tensor]
@@ -80,7 +85,7 @@ class UlakvSparseCoordinator:
     device_buffer_size: int  # the shared GPU cache's slots (HiSparse: per-request device buffer)
     top_k: int
     ack_staging_queue: list[Admitted]
-    store: SGLangStore
+    store: SGLangStore | SGLangDcpStore
 
     def __init__(
         self,
@@ -102,8 +107,11 @@ class UlakvSparseCoordinator:
         KV pool was built, before this, from SGLang's ``skip_topk_layers``, which SGLang does not pass
         with ``--enable-hisparse`` (so each layer is a group of its own there, for now)."""
         store = token_to_kv_pool_allocator.get_kvcache().ulakv_store
-        store.bound(max_queries=max(num_draft_tokens, 1), top_k=top_k)  # speculative verify: [B, Q, K]
-        self._setup(store, req_to_token_pool.req_to_token, top_k, sglang_transform())
+        if isinstance(store, SGLangDcpStore):  # the backend localises; no transform, no swap-in
+            self._setup(store, req_to_token_pool.req_to_token, top_k, None)
+        else:
+            store.bound(max_queries=max(num_draft_tokens, 1), top_k=top_k)  # speculative verify: [B, Q, K]
+            self._setup(store, req_to_token_pool.req_to_token, top_k, sglang_transform())
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.tp_group = tp_group
@@ -120,17 +128,23 @@ class UlakvSparseCoordinator:
         return self
 
     def _setup(
-        self, store: SGLangStore, req_to_token: torch.Tensor, top_k: int, transform: Transform
+        self,
+        store: SGLangStore | SGLangDcpStore,
+        req_to_token: torch.Tensor,
+        top_k: int,
+        transform: Transform | None,
     ) -> None:
         cfg = store.config
         self.store = store
         self.req_to_token = req_to_token
         self.top_k = top_k
         self.transform = transform
-        self.device_buffer_size = store.pool.config.layout.gpu_slots
+        self.device_buffer_size = self._tiers.gpu_slots
         device = store.pool.device
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
         self.ack_staging_queue = []
+        if transform is None:
+            return
         self._rows = torch.arange(cfg.max_batch * cfg.max_queries, dtype=torch.int32, device=device)
         # Fixed buffers (CUDA graphs): the batch's page table rows and the transformed slots.
         self._locs = torch.full(
@@ -149,6 +163,12 @@ class UlakvSparseCoordinator:
         int32 ``[B, K]`` (decode) or ``[B, Q, K]`` (speculative verify; ``compressed_seq_lens`` then
         per query), ``-1`` padding. Returns int32 of the same shape, ``-1`` for padding and for rows
         past ``num_real_reqs`` (a captured batch's padding)."""
+        if self.transform is None:
+            raise UnsupportedBySGLangAdapter(
+                "swap_in_selected_pages under --dcp-size > 1: SGLang's DCP attention (the trtllm DSA "
+                "backend) localises page tables through the ulakv pool; another --dsa-decode-backend "
+                "or --dsa-prefill-backend reached the coordinator"
+            )
         B = req_pool_indices.shape[0]
         Q = top_k_result.shape[1] if top_k_result.dim() == 3 else 1
         K = top_k_result.shape[-1]
@@ -160,6 +180,18 @@ class UlakvSparseCoordinator:
         real = (self._rows[: B * Q] // Q < self.num_real_reqs).unsqueeze(1)
         locs = torch.where(real & (locs != 0), locs, -1)
         return self.store.slots(layer_id, locs.view(top_k_result.shape))
+
+    @property
+    def _tiers(self) -> Any:
+        """The pool's ``Tiered`` config (a DCP rank's: its slice's)."""
+        layout = self.store.pool.config.layout
+        return layout.inner if isinstance(self.store, SGLangDcpStore) else layout
+
+    def _join(self) -> None:
+        """Order later pool calls after the prefetch stream's moves (a DCP store's localisations
+        run on the current stream: nothing to wait for)."""
+        if isinstance(self.store, SGLangStore):
+            self.store.kv.join()
 
     # -- request lifecycle -----------------------------------------------------------------------
     def admit_request_into_staging(self, req: Any) -> None:
@@ -195,7 +227,7 @@ class UlakvSparseCoordinator:
         """Nothing to free: the request's slots are SGLang's allocator's, released to the pool when it
         frees them (a cached prefix outlives the request). Orders later pool calls after the side
         stream's moves."""
-        self.store.kv.join()
+        self._join()
 
     def map_last_loc_to_buffer(
         self,
@@ -212,7 +244,7 @@ class UlakvSparseCoordinator:
     def wait_for_pending_backup(self) -> None:
         """HiSparse waits for its device-to-host backup; ulakv keeps no backup (one home per entry).
         Pool calls are ordered after the side stream here."""
-        self.store.kv.join()
+        self._join()
 
     def set_decode_producer_stream(self, stream: Any) -> None:
         """The scheduler's forward stream. No work by design: pool calls run on the current stream
@@ -224,7 +256,7 @@ class UlakvSparseCoordinator:
     def get_token_stats(self) -> TokenStats:
         """Tokens on the GPU and the CPU (reads the pool's counters: a sync, for metrics only)."""
         stats = self.store.pool.stats()
-        layout = self.store.pool.config.layout
+        layout = self._tiers
         groups = self.store.pool.num_groups
         gpu, cpu = stats["gpu_slots_used"] // groups, stats["cpu_slots_used"] // groups
         return TokenStats(
@@ -232,7 +264,7 @@ class UlakvSparseCoordinator:
         )
 
     def destroy(self) -> None:
-        self.store.kv.join()
+        self._join()
 
     # -- speculative decoding --------------------------------------------------------------------
     def allocate_spec_scratch(self, req_pool_indices: list[int]) -> None:

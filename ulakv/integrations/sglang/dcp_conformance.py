@@ -9,6 +9,13 @@ function gone, a call site passing a keyword the function no longer takes, or a 
 ``dsa_layer_skips_topk`` (a configuration attribute our mirror does not read) would only show on a
 GPU; ``problems(source)`` names each as a line (empty when everything is where the adapter expects).
 
+``dcp_hooks`` hooks SGLang under ``--enable-hisparse --dcp-size``; ``hook_problems(source)`` checks
+that each hooked name exists and is used as the hook assumes: the refusal it lifts, the call by bare
+name that a module-level replacement reaches, the attributes read and assigned, the positional
+``forward_batch`` and the ``is_prefill`` keyword, the allocator SGLang builds unwidened under
+HiSparse, the index buffer counted ``dcp_size`` times in the memory profile, and the hook registry's
+calling conventions.
+
 ``python -m ulakv.integrations.sglang.dcp_conformance [--source DIR]`` prints them (exit code 1 if any).
 """
 
@@ -21,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EXPECTED", "Expected", "main", "problems"]
+__all__ = ["EXPECTED", "Expected", "hook_problems", "main", "problems"]
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,172 @@ def problems(source: Path) -> list[str]:
     return found
 
 
+def _tree(source: Path, module: str) -> ast.Module | None:
+    path = source / module
+    if not path.is_file():
+        return None
+    with warnings.catch_warnings():  # SGLang's own invalid escapes, not ours to report
+        warnings.simplefilter("ignore", SyntaxWarning)
+        return ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _reads(node: ast.AST, base: str) -> set[str]:
+    """Attributes read or assigned on the name ``base`` (``cfg.x``, ``self.x``)."""
+    return {
+        n.attr
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == base
+    }
+
+
+def _calls(node: ast.AST, name: str) -> list[ast.Call]:
+    """Calls of ``name`` (bare, or as an attribute: ``self.name(...)``)."""
+    return [
+        n
+        for n in ast.walk(node)
+        if isinstance(n, ast.Call)
+        and ((isinstance(n.func, ast.Name) and n.func.id == name) or getattr(n.func, "attr", None) == name)
+    ]
+
+
+_OVERRIDES = "sglang/srt/arg_groups/model_overrides/deepseek_v2.py"
+_CONFIGURATOR = "sglang/srt/mem_cache/kv_cache_configurator.py"
+_BACKEND = "sglang/srt/layers/attention/dsa_backend.py"
+
+
+def hook_problems(source: Path) -> list[str]:
+    """What ``dcp_hooks`` expects of the SGLang source at ``source`` and does not find, a line each."""
+    from .dcp_hooks import DCP_HOOKS
+
+    source = Path(source)
+    found: list[str] = []
+    trees: dict[str, ast.Module | None] = {}
+
+    def node(module: str, dotted: str) -> ast.FunctionDef | ast.ClassDef | None:
+        if module not in trees:
+            trees[module] = _tree(source, module)
+        tree = trees[module]
+        got = None if tree is None else _find(tree, dotted)
+        if got is None:
+            found.append(
+                f"{module}: no {dotted}" if tree is not None else f"{module}: missing (holds {dotted})"
+            )
+        return got
+
+    # Every hooked target: module path and dotted name as SGLang's registry resolves them.
+    for target in DCP_HOOKS:
+        parts = target.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            module = "/".join(parts[:cut]) + ".py"
+            if (source / module).is_file():
+                node(module, ".".join(parts[cut:]))
+                break
+        else:
+            found.append(f"{target}: no module of it under {source}")
+
+    overrides = node(_OVERRIDES, "_dsa_dcp_overrides")
+    if overrides is not None:
+        if _names(overrides) != ["cfg"]:
+            found.append(f"_dsa_dcp_overrides: expected (cfg), got {_names(overrides)}")
+        want = {"dcp_size", "enable_hisparse", "enable_hierarchical_cache"}
+        if not want <= _reads(overrides, "cfg"):
+            found.append(f"_dsa_dcp_overrides: no longer reads cfg.{sorted(want - _reads(overrides, 'cfg'))}")
+        if not any("HiSparse" in str(getattr(n, "value", "")) for n in ast.walk(overrides)):
+            found.append("_dsa_dcp_overrides: no longer refuses HiSparse (the hook lifts that refusal)")
+    family = node(_OVERRIDES, "_deepseek_family_overrides")
+    if family is not None and not any(
+        isinstance(c.func, ast.Name) for c in _calls(family, "_dsa_dcp_overrides")
+    ):
+        found.append(
+            "_deepseek_family_overrides: no longer calls _dsa_dcp_overrides by name (the hook misses it)"
+        )
+
+    build = node(_CONFIGURATOR, "KVCacheConfigurator._build_dsa_kv_pool")
+    if build is not None:
+        text = ast.unparse(build)
+        for chain in (
+            "self.model_config.hf_config",
+            "self.layer_info.start_layer",
+            "self.layer_info.end_layer",
+        ):
+            if chain not in text:
+                found.append(f"_build_dsa_kv_pool: no longer reads {chain} (record_model_groups does)")
+        if not any(isinstance(n, ast.Name) and n.id == "HiSparseDSATokenToKVPool" for n in ast.walk(build)):
+            found.append(
+                "_build_dsa_kv_pool: no longer builds HiSparseDSATokenToKVPool (the groups reach no pool)"
+            )
+    tree = trees.get(_CONFIGURATOR)
+    if tree is not None:
+        sites = _calls(tree, "HiSparseTokenToKVPoolAllocator")
+        unwidened = [
+            c
+            for c in sites
+            if c.args and isinstance(c.args[0], ast.Attribute) and c.args[0].attr == "max_total_num_tokens"
+        ]
+        if not unwidened:
+            found.append(
+                "HiSparseTokenToKVPoolAllocator is no longer built with sizes.max_total_num_tokens "
+                "(the adapter's allocator widens it by dcp_size itself)"
+            )
+
+    init = node(_BACKEND, "DeepseekSparseAttnBackend.__init__")
+    if init is not None:
+        assigned = {
+            t.attr
+            for n in ast.walk(init)
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Attribute)
+        }
+        for attr in ("_dcp_page_table_cache", "token_to_kv_pool"):
+            if attr not in assigned:
+                found.append(f"DeepseekSparseAttnBackend.__init__: no longer sets self.{attr}")
+    trtllm = node(_BACKEND, "DeepseekSparseAttnBackend._forward_trtllm")
+    if trtllm is not None:
+        have = _names(trtllm)
+        if have[:6] != ["self", "q", "k", "v", "layer", "forward_batch"] or "is_prefill" not in have:
+            want = "(self, q, k, v, layer, forward_batch, ..., is_prefill)"
+            found.append(f"_forward_trtllm: expected {want}, got {have}")
+        first = [c.args[0] for c in _calls(trtllm, "localize_dcp_page_table") if c.args]
+        if not any(isinstance(a, ast.Attribute) and a.attr == "_dcp_page_table_cache" for a in first):
+            found.append("_forward_trtllm: no longer localises through self._dcp_page_table_cache")
+    extend = node(_BACKEND, "DeepseekSparseAttnBackend.forward_extend")
+    if extend is not None:
+        keywords = [k.arg for c in _calls(extend, "_forward_trtllm") for k in c.keywords]
+        if "is_prefill" not in keywords:
+            found.append(
+                "forward_extend: no longer calls _forward_trtllm with is_prefill= (mark_prefill reads it)"
+            )
+
+    profile = _tree(source, "sglang/srt/model_executor/pool_configurator.py")
+    counted = profile is not None and any(
+        isinstance(n, ast.AugAssign)
+        and isinstance(n.target, ast.Name)
+        and n.target.id == "indexer_cell_size"
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "dcp_size"
+        for n in ast.walk(profile)
+    )
+    if not counted:
+        found.append(
+            "pool_configurator: the index keys are no longer counted dcp_size times (the pool sizes them so)"
+        )
+    context = source / "sglang/srt/runtime_context.py"
+    fields = source / "sglang/srt/arg_groups/fields/parallel.py"
+    if not context.is_file() or "def get_parallel(" not in context.read_text(encoding="utf-8"):
+        found.append("sglang/srt/runtime_context.py: no get_parallel (dcp_group reads it)")
+    if not fields.is_file() or "attn_dcp_rank" not in fields.read_text(encoding="utf-8"):
+        found.append("ParallelContext: no attn_dcp_rank (dcp_group reads it)")
+
+    registry = _tree(source, "sglang/srt/plugins/hook_registry.py")
+    wrap = None if registry is None else _find(registry, "_wrap_fn")
+    text = "" if wrap is None else ast.unparse(wrap)
+    for convention in ("hook(original_fn, *args, **kwargs)", "hook(result, *args, **kwargs)"):
+        if convention not in text:
+            found.append(f"hook_registry._wrap_fn: no longer calls {convention}")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ulakv.integrations.sglang.dcp_conformance")
     parser.add_argument(
@@ -219,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         from .wheel import wheel_source
 
         args.source = wheel_source()
-    found = problems(args.source)
+    found = problems(args.source) + hook_problems(args.source)
     for line in found:
         print(f"- {line}")
     print(f"{len(found)} problem(s) in what the DCP path and the shared top-k expect of {args.source}")

@@ -133,14 +133,28 @@ class SGLangDcpStore:
             layer, page_table, step=metadata, topk_indices=topk_indices, out=out, counts=counts
         )
 
-    def prefill_localize(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A prefill chunk's ``[tokens, topk]`` page table, localised as ``localize`` does, its
-        refusal raised now (prefill is not captured): ``CapacityError`` when the chunk's queries
-        together select more distinct ``loc`` homed on one rank than its GPU cache takes at once
-        (lower ``--chunked-prefill-size``)."""
-        out = self.localize(layer, page_table)
+    def prefill_localize(
+        self,
+        layer: int,
+        page_table: torch.Tensor,
+        *,
+        metadata: object = None,
+        topk_indices: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's ``[tokens, topk]`` page table, localised as ``localize`` does (with the
+        same reuse keys), its refusal raised now (prefill is not captured; a sync): ``CapacityError``
+        when the chunk's queries together select more distinct ``loc`` homed on one rank than its
+        GPU cache takes at once (lower ``--chunked-prefill-size``)."""
+        out = self.localize(layer, page_table, metadata=metadata, topk_indices=topk_indices)
         self.pool.check()
         return out
+
+    def release_all(self) -> None:
+        """Every live ``loc`` (SGLang's allocator ``clear``, at start-up and cache flushes): reads the
+        flags back, a sync, never on a step; the same on every rank."""
+        live = self.pool.live_addresses()
+        if live.numel():
+            self.pool.release_addresses(live)
 
     def kv_rows(self, layer: int) -> torch.Tensor:
         """uint8 ``[rows, 1, bytes_per_token]``: the rank's GPU rows as SGLang's ``kv_buffer`` (whole

@@ -13,6 +13,13 @@ the backend's metadata). What changes:
   returns their slots, for the layer whose buffer the backend fetched last (``get_key_buffer``, which
   ``forward_extend`` calls right before).
 
+Under ``--dcp-size D`` (SGLang's DCP group, read when the pool is built) the store is a rank's
+:class:`~.dcp_store.SGLangDcpStore`: ``size`` GPU slots and the rank's share of ``(size x ratio +
+page_size) x D`` ``loc`` beneath them, and the indexer's key buffer spans that ``loc`` space, as
+SGLang sizes it under DCP (its memory profile counts it so: ``indexer_cell_size *= dcp_size``).
+Rows are written on every rank, each keeping those homed on it; the DSA backend localises page
+tables through the store (``dcp_hooks``), so the HiSparse translations are refused there.
+
 SGLang's own classes are imported only inside ``install()``; this module imports none.
 """
 
@@ -23,7 +30,9 @@ from typing import Any
 
 import torch
 
+from . import dcp_hooks
 from .coordinator import UnsupportedBySGLangAdapter
+from .dcp_store import DcpStoreConfig, SGLangDcpStore
 from .layer_groups import group_starts_from_skips
 from .store import SGLangStore, StoreConfig, policy_named
 
@@ -36,7 +45,7 @@ def _loc_of(loc_info: Any) -> torch.Tensor:
 class UlakvKVPoolMixin:
     """Mixed in front of ``DSATokenToKVPool`` by ``install()`` (``UlakvDSATokenToKVPool``)."""
 
-    ulakv_store: SGLangStore
+    ulakv_store: SGLangStore | SGLangDcpStore
     kv_buffer: list[torch.Tensor]
 
     def __init__(
@@ -64,9 +73,15 @@ class UlakvKVPoolMixin:
         at most. The MLA rows become the ulakv pool's (``size`` GPU slots shared by every request,
         the rest on the CPU); ``ULAKV_SGLANG_POLICY`` (``lru``/``pblru``) picks the policy and
         ``ULAKV_SGLANG_MAX_BATCH`` (default ``max_running_requests``) bounds a step's batch.
-        ``skip_topk_layers`` (SGLang's, from the model's configuration) makes each layer that computes
-        a fresh top-k start a layer group; without it (SGLang passes it only when it elides the
-        reusing layers' index keys, not with ``--enable-hisparse``) every layer is a group."""
+        Each layer that computes a fresh top-k starts a layer group: from ``skip_topk_layers`` where
+        SGLang passes it (only when it elides the reusing layers' index keys, never with
+        ``--enable-hisparse``), else from the model's configuration (``dcp_hooks.MODEL_GROUP_STARTS``,
+        set while SGLang builds this pool); with neither, every layer is a group."""
+        dcp_size, dcp_rank = dcp_hooks.dcp_group()
+        if dcp_size > 1:  # SGLang's DCP index buffer over the widened loc space
+            index_buf_size = (size * host_to_device_ratio + page_size) * dcp_size - page_size
+        else:
+            index_buf_size = size * host_to_device_ratio
         super().__init__(  # type: ignore[call-arg]  # SGLang's DSATokenToKVPool
             size=size,
             page_size=page_size,
@@ -80,7 +95,7 @@ class UlakvKVPoolMixin:
             kv_cache_dim=kv_cache_dim,
             start_layer=start_layer,
             end_layer=end_layer,
-            index_buf_size=size * host_to_device_ratio,
+            index_buf_size=index_buf_size,
             index_kpool=index_kpool,
             index_kpool_compress=index_kpool_compress,
             tail_extra_slots=tail_extra_slots,
@@ -88,20 +103,41 @@ class UlakvKVPoolMixin:
             skip_topk_layers=skip_topk_layers,
         )
         store_dtype = self.kv_buffer[0].dtype
-        config = StoreConfig(
-            layers=layer_num,
-            bytes_per_token=kv_cache_dim * store_dtype.itemsize,
-            device_tokens=size,
-            logical_tokens=size * host_to_device_ratio,
-            page_size=page_size,
-            max_batch=int(os.environ.get("ULAKV_SGLANG_MAX_BATCH", max_running_requests or 256)),
-            max_queries=int(os.environ.get("ULAKV_SGLANG_MAX_QUERIES", 1)),
-            policy=policy_named(os.environ.get("ULAKV_SGLANG_POLICY", "lru")),
-            device=device,
-            # Layers that reuse the previous layer's top-k join its group: prepared once a step.
-            group_starts=None if skip_topk_layers is None else group_starts_from_skips(skip_topk_layers),
-        )
-        self.ulakv_store = SGLangStore(config)
+        policy = policy_named(os.environ.get("ULAKV_SGLANG_POLICY", "lru"))
+        # Layers that reuse the previous layer's top-k join its group: prepared once a step.
+        starts = dcp_hooks.MODEL_GROUP_STARTS.get()
+        if skip_topk_layers is not None:
+            starts = group_starts_from_skips(skip_topk_layers)
+        if dcp_size > 1:
+            self.ulakv_store = SGLangDcpStore(
+                DcpStoreConfig(
+                    layers=layer_num,
+                    bytes_per_token=kv_cache_dim * store_dtype.itemsize,
+                    device_tokens=size,
+                    host_to_device_ratio=host_to_device_ratio,
+                    dcp_size=dcp_size,
+                    dcp_rank=dcp_rank,
+                    page_size=page_size,
+                    group_starts=starts,
+                    policy=policy,
+                    device=device,
+                )
+            )
+        else:
+            self.ulakv_store = SGLangStore(
+                StoreConfig(
+                    layers=layer_num,
+                    bytes_per_token=kv_cache_dim * store_dtype.itemsize,
+                    device_tokens=size,
+                    logical_tokens=size * host_to_device_ratio,
+                    page_size=page_size,
+                    max_batch=int(os.environ.get("ULAKV_SGLANG_MAX_BATCH", max_running_requests or 256)),
+                    max_queries=int(os.environ.get("ULAKV_SGLANG_MAX_QUERIES", 1)),
+                    policy=policy,
+                    device=device,
+                    group_starts=starts,
+                )
+            )
         # SGLang's own rows are replaced by views of the pool's (its copy is freed here).
         self.kv_buffer = [self.ulakv_store.kv_rows(layer).view(store_dtype) for layer in range(layer_num)]
         if isinstance(getattr(self, "data_ptrs", None), torch.Tensor):  # read by SGLang's copy kernels
@@ -117,8 +153,15 @@ class UlakvKVPoolMixin:
 
     def translate_loc_to_hisparse_device(self, compressed_indices: torch.Tensor) -> torch.Tensor:
         """Prefill: slots of a ``[tokens, K]`` table of ``loc`` (0 / -1 padding) in the layer whose
-        ``kv_buffer`` was fetched last, made resident now (``SGLangStore.prefill_slots``)."""
-        return self.ulakv_store.prefill_slots(self._ulakv_layer, compressed_indices)
+        ``kv_buffer`` was fetched last, made resident now (``SGLangStore.prefill_slots``). Under DCP
+        the backend localises instead (a rank's rows hold only the ``loc`` homed on it)."""
+        store = self.ulakv_store
+        if isinstance(store, SGLangDcpStore):
+            raise UnsupportedBySGLangAdapter(
+                "HiSparse's loc translation under --dcp-size > 1: a rank's rows hold only the loc homed "
+                "on it, and SGLang's DCP attention (the trtllm DSA backend) localises page tables"
+            )
+        return store.prefill_slots(self._ulakv_layer, compressed_indices)
 
     def _translate_loc_to_hisparse_device(self, compressed_indices: torch.Tensor) -> torch.Tensor:
         return self.translate_loc_to_hisparse_device(compressed_indices)

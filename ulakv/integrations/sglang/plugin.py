@@ -4,7 +4,8 @@ SGLang loads general plugins (entry point group ``sglang.srt.plugins``) in every
 scheduler workers included, and applies the class replacements they register before building the
 model runner. ulakv's entry point is this ``install``; it does nothing unless ``ULAKV_SGLANG=1`` is
 set, so installing ulakv beside SGLang changes nothing by itself. With it, a server launched with
-``--enable-hisparse`` runs on ulakv (see the README for the command).
+``--enable-hisparse`` runs on ulakv (see the README for the command), and so does one launched with
+``--enable-hisparse --dcp-size N``, which SGLang alone refuses (``dcp_hooks``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from ...errors import UlakvError
 from .allocator import UlakvAllocatorMixin
 from .coordinator import UlakvSparseCoordinator
+from .dcp_hooks import DCP_HOOKS
 from .kv_pool import UlakvKVPoolMixin
 from .version import SGLANG_VERSION
 
@@ -63,5 +65,7 @@ def install(force: bool = False) -> bool:
             sglang_base = getattr(importlib.import_module(module), name)
             replacement = type(class_name, (mixin, sglang_base), {"__module__": mixin.__module__})
         HookRegistry.register(target, replacement, HookType.REPLACE)
-    logger.info("ulakv: SGLang's HiSparse coordinator, KV pool and allocator replaced")
+    for target, (kind, hook) in DCP_HOOKS.items():
+        HookRegistry.register(target, hook, HookType[kind])
+    logger.info("ulakv: SGLang's HiSparse coordinator, KV pool and allocator replaced; DCP hooks registered")
     return True
