@@ -98,6 +98,8 @@ HOOK_FILES = sorted(
         "sglang/srt/runtime_context.py",
         "sglang/srt/arg_groups/fields/parallel.py",
         "sglang/srt/plugins/hook_registry.py",
+        "sglang/srt/mem_cache/memory_pool.py",
+        "sglang/kernels/ops/kvcache/mla_buffer.py",
     }
 )
 
@@ -138,6 +140,12 @@ HOOK_MUTATIONS = {
         "return hook(original_fn, *args, **kwargs)",
         "return hook(*args, original_fn=original_fn, **kwargs)",
         "hook(original_fn",
+    ),
+    "writer-not-widened": (
+        "memory_pool.py",
+        "            set_mla_kv_buffer_dcp_sharded_triton(\n                dst_buffer,",
+        "            set_mla_kv_buffer_triton(\n                dst_buffer,",
+        "widened ids",
     ),
     "groups-not-read": (
         "kv_cache_configurator.py",

@@ -11,7 +11,8 @@ GPU; ``problems(source)`` names each as a line (empty when everything is where t
 
 ``dcp_hooks`` hooks SGLang under ``--enable-hisparse --dcp-size``; ``hook_problems(source)`` checks
 that each hooked name exists and is used as the hook assumes: the refusal it lifts, the call by bare
-name that a module-level replacement reaches, the attributes read and assigned, the positional
+name that a module-level replacement reaches, the attributes read and assigned, SGLang's row writer
+taking widened ids under DCP, the positional
 ``forward_batch`` and the ``is_prefill`` keyword, the allocator SGLang builds unwidened under
 HiSparse, the index buffer counted ``dcp_size`` times in the memory profile, and the hook registry's
 calling conventions.
@@ -351,6 +352,19 @@ def hook_problems(source: Path) -> list[str]:
         if "is_prefill" not in keywords:
             found.append(
                 "forward_extend: no longer calls _forward_trtllm with is_prefill= (mark_prefill reads it)"
+            )
+
+    # The KV pool packs rows with SGLang's writer at ids ``i x D + rank``: under DCP it scatters
+    # widened ids (this rank's, collapsed by ``// D``).
+    scatter = node("sglang/srt/mem_cache/memory_pool.py", "MLATokenToKVPool._scatter_mla_rows")
+    if scatter is not None and not _calls(scatter, "set_mla_kv_buffer_dcp_sharded_triton"):
+        found.append("MLATokenToKVPool._scatter_mla_rows: no longer scatters widened ids under DCP")
+    sharded = node("sglang/kernels/ops/kvcache/mla_buffer.py", "set_mla_kv_buffer_dcp_sharded_triton")
+    if sharded is not None:
+        keywords = {k.arg for c in _calls(sharded, "_set_mla_kv_buffer_impl") for k in c.keywords}
+        if not {"dcp_world_size", "dcp_rank"} <= keywords:
+            found.append(
+                "set_mla_kv_buffer_dcp_sharded_triton: no longer selects by dcp_world_size, dcp_rank"
             )
 
     profile = _tree(source, "sglang/srt/model_executor/pool_configurator.py")

@@ -144,6 +144,9 @@ class UlakvKVPoolMixin:
             ptrs = [buf.data_ptr() for buf in self.kv_buffer]
             self.data_ptrs = torch.tensor(ptrs, dtype=self.data_ptrs.dtype, device=self.data_ptrs.device)
         self._ulakv_layer = 0
+        # How SGLang's row writer reads a write loc here (``_write_loc_dcp_span``): ids a stored row
+        # spans, and this rank's residue.
+        self._ulakv_write_span = (dcp_size, dcp_rank) if dcp_size > 1 else (1, 0)
 
     # -- the mapping HiSparse keeps; ulakv's is inside the pool ------------------------------------
     def register_mapping(self, full_to_hisparse_device_index_mapping: torch.Tensor) -> None:
@@ -192,9 +195,12 @@ class UlakvKVPoolMixin:
         loc = _loc_of(loc_info)
         n = loc.numel()
         # SGLang's writer never writes row 0 (its padding slot): pack into rows 1..n, store those.
+        # Under DCP its writer takes widened ids (``s % D`` this rank's, stored at ``s // D``): row
+        # ``i`` is id ``i x D + rank``, so every row lands in the scratch.
         buf = self.kv_buffer[0]
         scratch = torch.empty((n + 1, 1, buf.shape[-1]), dtype=buf.dtype, device=loc.device)
-        rows = torch.arange(1, n + 1, dtype=loc.dtype, device=loc.device)
+        span, rank = self._ulakv_write_span
+        rows = torch.arange(1, n + 1, dtype=loc.dtype, device=loc.device) * span + rank
         self._write_mla_kv_buffer(scratch, rows, cache_k_nope, cache_k_rope)  # type: ignore[attr-defined]
         self.ulakv_store.write(layer.layer_id, loc, scratch[1:].reshape(n, -1).view(torch.uint8))
 
