@@ -44,6 +44,15 @@ Checks, in order, each independent (a failure is reported and the next check run
    swap-in; the replays read each request's newest token too.
 9. ``allocator``: the replaced ``HiSparseTokenToKVPoolAllocator`` over the replaced pool: ``alloc``
    makes exactly its ``loc`` live in the pool, ``free`` releases them (homes freed), ``clear`` empties.
+10. ``dcp_hooks``: after ``install``, SGLang's ``localize_dcp_page_table`` (in ``dsa_dcp`` and the
+    backend's binding), ``DeepseekSparseAttnBackend.__init__`` / ``_forward_trtllm`` are wrapped, and
+    ``_dsa_dcp_overrides`` lets HiSparse through with the trtllm backends, refusing another by flag.
+11. ``dcp_localize``: a DCP group of 4 simulated on one GPU (each rank in turn, SGLang's parallel
+    context overridden): each rank builds the replaced pool under DCP (a ``SGLangDcpStore``; SGLang's
+    DCP row writer), writes every token's rows through ``set_mla_kv_buffer`` and localises a decode
+    page table with padding requests through SGLang's hooked ``localize_dcp_page_table``; the rows
+    read through its block table equal, in order, the dense rows ``transform_index_page_table_dcp``
+    selects, with its counts; the localisation replays in a CUDA graph.
 
 In 5 and 7 both pools hold the same bytes (SGLang's writer fills the reference, its rows are copied
 into ours as bytes) so that a difference there is FlashMLA reading our buffers, not the writer (4).
@@ -1008,6 +1017,160 @@ def check_allocator(details: dict[str, Any]) -> str:
     return "alloc makes exactly its loc live, free releases them with their homes, clear empties both"
 
 
+# -- 10. DCP hooks ------------------------------------------------------------------------------------------
+DCP = 4  # the simulated DCP group: its ranks' pools in this one process, on this one GPU
+
+
+@contextlib.contextmanager
+def _dcp_rank(rank: int) -> Iterator[None]:
+    """SGLang's parallel context as rank ``rank`` of a DCP group of ``DCP`` sees it."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with _single_rank(), get_parallel().override(attn_dcp_size=DCP, attn_dcp_rank=rank, dcp_enabled=True):
+        yield
+
+
+def check_dcp_hooks(details: dict[str, Any]) -> str:
+    _require_sglang()
+    from types import SimpleNamespace as Cfg
+
+    from ulakv.integrations.sglang import dcp_hooks
+
+    _installed_classes()  # install() and apply_hooks(), once
+    problems = []
+    dsa_dcp = importlib.import_module("sglang.srt.layers.attention.dsa.dsa_dcp")
+    backend = importlib.import_module("sglang.srt.layers.attention.dsa_backend")
+    overrides = importlib.import_module("sglang.srt.arg_groups.model_overrides.deepseek_v2")
+    for module, name in ((dsa_dcp, "localize_dcp_page_table"), (backend, "localize_dcp_page_table")):
+        if getattr(getattr(module, name), "__wrapped__", None) is None:
+            problems.append(f"{module.__name__}.{name} is not wrapped (the hook did not apply or propagate)")
+    cls = backend.DeepseekSparseAttnBackend
+    for name in ("__init__", "_forward_trtllm"):
+        if getattr(getattr(cls, name), "__wrapped__", None) is None:
+            problems.append(f"DeepseekSparseAttnBackend.{name} is not wrapped")
+    cfg = dict(
+        dcp_size=DCP,
+        enable_hisparse=True,
+        enable_hierarchical_cache=False,
+        disaggregation_mode="null",
+        speculative_eagle_topk=None,
+        dsa_prefill_backend=None,
+        dsa_decode_backend=None,
+        dcp_replicate_q_proj=None,
+        dcp_comm_backend="ag_rs",
+    )
+    got = overrides._dsa_dcp_overrides(Cfg(**cfg))
+    if got.get("dsa_decode_backend") != dcp_hooks.DCP_BACKEND:
+        problems.append(f"_dsa_dcp_overrides under the hook gave {got}, not the trtllm backends")
+    try:
+        overrides._dsa_dcp_overrides(Cfg(**{**cfg, "dsa_decode_backend": "flashmla_sparse"}))
+        problems.append("--dsa-decode-backend flashmla_sparse under DCP was not refused")
+    except dcp_hooks.UnsupportedBySGLangAdapter:
+        pass
+    details.update(overrides=got)
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    return "refusal lifted (trtllm declared), localisation and backend hooks applied and propagated"
+
+
+# -- 11. DCP localisation -----------------------------------------------------------------------------------
+def check_dcp_localize(details: dict[str, Any]) -> str:
+    """Each rank of a simulated DCP group builds the replaced pool (SGLang's DSA base, its DCP row
+    writer), writes every token's rows, and localises a decode page table through SGLang's hooked
+    ``localize_dcp_page_table``; the rows read through each rank's block table equal, in order, those
+    SGLang's ``transform_index_page_table_dcp`` selects from a dense pool (``loc`` s at row s), with
+    its counts; the decode localisation replays in a CUDA graph."""
+    _require_sglang()
+    _require_cuda()
+    import torch
+    from sglang.kernels.ops.attention.dsa.transform_index import transform_index_page_table_dcp
+
+    from ulakv.integrations.sglang import dcp_hooks
+
+    pool_cls, _ = _installed_classes()
+    dsa_dcp = importlib.import_module("sglang.srt.layers.attention.dsa.dsa_dcp")
+    size, mrr, rows_n = 1024, 64, 48
+    with _single_rank():
+        ref = _reference_pool((size * RATIO + PAGE) * DCP, fp8=True, max_running_requests=mrr)
+    space = (size * RATIO + PAGE) * DCP
+    gen = torch.Generator().manual_seed(11)
+    loc = (torch.randperm(space - PAGE * DCP, generator=gen) + PAGE * DCP)[: size * DCP].to(DEVICE)
+    nope = torch.randn((loc.numel(), 1, KV_LORA_RANK), dtype=torch.bfloat16, device=DEVICE)
+    rope = torch.randn((loc.numel(), 1, ROPE_DIM), dtype=torch.bfloat16, device=DEVICE)
+    with _single_rank():
+        for layer in range(LAYERS):
+            ref.set_mla_kv_buffer(_layer(layer), loc, nope, rope)
+    page_table = loc[torch.randint(0, loc.numel(), (rows_n, TOP_K), generator=gen).to(DEVICE)].to(torch.int32)
+    page_table[rows_n - 4 :] = 0  # a captured batch's padding requests select loc 0
+    page_table[3, TOP_K // 2 :] = -1
+    checked = 0
+    for rank in range(DCP):
+        with _dcp_rank(rank):
+            ours = _our_pool(pool_cls, size, fp8=True, max_running_requests=mrr)
+            store = ours.ulakv_store
+            if not isinstance(store, dcp_hooks.SGLangDcpStore):
+                raise CheckFailed(
+                    f"rank {rank}: the pool under --dcp-size {DCP} built {type(store).__name__}"
+                )
+            store.admit(loc)
+            for layer in range(LAYERS):
+                for part, a, b in zip(
+                    _chunks(loc, 2048), _chunks(nope, 2048), _chunks(rope, 2048), strict=True
+                ):
+                    ours.set_mla_kv_buffer(_layer(layer), part, a, b)
+            cache = dcp_hooks.UlakvDcpPageTable(store)
+            metadata = object()
+            want_rows, want_counts = transform_index_page_table_dcp(
+                torch.where(page_table == 0, -1, page_table), DCP, rank
+            )
+            for layer in range(LAYERS):
+                table, counts = dsa_dcp.localize_dcp_page_table(
+                    cache,
+                    metadata=metadata,
+                    layer_id=layer,
+                    topk_indices=page_table,
+                    page_table=page_table,
+                    dcp_size=DCP,
+                    dcp_rank=rank,
+                )
+                if not torch.equal(counts, want_counts):
+                    raise CheckFailed(f"rank {rank} layer {layer}: counts differ from SGLang's")
+                keep = torch.arange(TOP_K, device=DEVICE) < counts[:, None]
+                got = _byte_rows(ours.kv_buffer[layer])[table.clamp(min=0).long()]
+                dense = want_rows.long() * DCP + rank  # SGLang's local row -> the loc it holds
+                want = _byte_rows(ref.kv_buffer[layer])[dense.clamp(min=0)]
+                bad = (got != want).any(-1) & keep
+                if bad.any():
+                    raise CheckFailed(_mismatch(f"rank {rank} layer {layer}", bad))
+                checked += int(keep.sum())
+
+            def step(cache: Any = cache, rank: int = rank) -> list[torch.Tensor]:
+                return list(
+                    dsa_dcp.localize_dcp_page_table(
+                        cache,
+                        metadata=object(),
+                        layer_id=0,
+                        topk_indices=page_table,
+                        page_table=page_table,
+                        dcp_size=DCP,
+                        dcp_rank=rank,
+                    )
+                )
+
+            step()
+            _sync()
+            (table, counts), replay = _capture(step)
+            replay()
+            _sync()
+            if not torch.equal(counts, want_counts):
+                raise CheckFailed(f"rank {rank}: a replayed localisation's counts differ from SGLang's")
+            store.pool.check()
+    details.update(dcp=DCP, size=size, rows=rows_n, top_k=TOP_K, rows_compared=checked)
+    return (
+        f"{DCP} ranks: {checked} rows through ulakv's slots equal SGLang's DCP rows, in order; graph replays"
+    )
+
+
 # -- the run -------------------------------------------------------------------------------------------------
 CHECKS: dict[str, Callable[[dict[str, Any]], str]] = {
     "version": check_version,
@@ -1019,6 +1182,8 @@ CHECKS: dict[str, Callable[[dict[str, Any]], str]] = {
     "flashmla_kv_decode": check_flashmla_kv_decode,
     "decode_step_graph": check_decode_step_graph,
     "allocator": check_allocator,
+    "dcp_hooks": check_dcp_hooks,
+    "dcp_localize": check_dcp_localize,
 }
 
 

@@ -28,6 +28,8 @@ ORDER = [
     "flashmla_kv_decode",
     "decode_step_graph",
     "allocator",
+    "dcp_hooks",
+    "dcp_localize",
 ]
 GPU_ONLY = ("sglang", "sgl_kernel", "flash_mla")
 
