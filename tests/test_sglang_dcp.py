@@ -287,3 +287,47 @@ def test_the_torch_reference_equals_sglangs_kernel(world) -> None:
         want = transform(table, world, rank)
         got = sglang_dcp_reference(table, world, rank)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_groups_moves_on_the_side_stream_split_first_layer_first() -> None:
+    """With a ``SparseKV`` the localisation's moves run as the engine adapter runs them: on CPU
+    ``prefetch=True`` splits a two-layer group's moves (the first layer's rows, then the rest) as a
+    GPU's side stream does. Over a decode loop that evicts to the CPU tier, every table, count and
+    row read equals the unsplit pool's, and only the split's launches are added."""
+    from ulakv.engine import SparseKV
+
+    world, rank = 2, 1
+    prompts, steps, kv = _traffic(4)
+    pools = [ulakv.Pool(_config(world, rank, ExactLRU())) for _ in range(2)]
+    split = SparseKV(pools[1], max_batch=4, top_k=TOPK, prefetch=True)
+    localizers = [DcpLocalizer(pools[0]), DcpLocalizer(pools[1], kv=split)]
+    gen = torch.Generator().manual_seed(4)
+    live = sorted({s for p in prompts for s in p})
+    for pool in pools:
+        pool.admit_addresses(torch.tensor(live))
+        for layer in range(LAYERS):
+            pool.write(layer, torch.tensor(live), kv[layer, live])
+    requests = [list(p) for p in prompts]
+    for new in steps:
+        for request, slot in zip(requests, new, strict=True):
+            request.append(slot)
+        for pool in pools:
+            pool.admit_addresses(torch.tensor(new))
+        for layer in range(LAYERS):
+            pools[0].write(layer, torch.tensor(new), kv[layer, new])
+            split.write(layer, torch.tensor(new), kv[layer, new])
+        table, metadata = _page_table(requests, gen), object()
+        for layer in range(LAYERS):
+            got = [loc.localize(layer, table, step=metadata) for loc in localizers]
+            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+            rows = [
+                pool.gpu_buffer(layer)[block.clamp(min=0).long()]
+                for pool, (block, _) in zip(pools, got, strict=True)
+            ]
+            assert torch.equal(rows[0], rows[1])
+    assert localizers[0].prepares == localizers[1].prepares == len(steps) * (LAYERS // PER_GROUP)
+    stats = [pool.stats() for pool in pools]
+    assert stats[0]["misses"] > 0 and stats[0]["victims"] > 0  # the CPU tier served some rows
+    for key in ("bytes_in", "bytes_out", "misses", "victims"):
+        assert stats[0][key] == stats[1][key], key
+    assert stats[1]["launches"] > stats[0]["launches"]  # the first layer's moves ran on their own

@@ -37,12 +37,13 @@ from ..address_space import FREE, UNHOMED, LogicalAllocator, Sequence, addresses
 from ..config import PoolConfig, Striped, Tiered
 from ..deferred import DeferredStatus
 from ..errors import CollectiveError, InvalidAddressError, InvalidInputError, InvariantError, UlakvError
-from ..frame import PoolFrame, Selection, debug_enabled, refusal, validates
+from ..frame import NewRows, PoolFrame, Selection, debug_enabled, refusal, validates
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import engine_addresses as engine_mod
 from ..kernels import release as release_mod
 from ..kernels.operands import detached, readable_indices
+from ..transfer import Phase, TransferPlan
 from .census import Census, CensusState, hand_to
 from .row_exchange import RowExchange, all_gather
 from .tiered import TieredPool
@@ -326,16 +327,7 @@ class StripedPool(PoolFrame):
         """Every rank passes the same ``topk`` and gets slots into its own ``gpu_buffer(layer)``:
         of every selected entry (fetch mode, collective: misses come from their homes in one
         all-gather), or of those homed on it, -1 for the others (local mode)."""
-        self._need_kernels("prepare")
-        self._check_usable()
-        self.inner._check_group(group)
-        if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
-            raise InvalidInputError("prepare: topk must be a [batch, k] or [batch, q, k] tensor")
-        if topk.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
-        self.inner._check_device("prepare: topk", topk)
-        self._raise_refused()
-        flat = readable_indices(topk)  # int32 or int64, read in place when packed
+        flat = self._selection(group, topk)
         if flat.numel() == 0:
             return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
         if self.local:
@@ -354,6 +346,65 @@ class StripedPool(PoolFrame):
                 raise
         self._finish_call()
         return Selection(group, slots.view(topk.shape))
+
+    def _selection(self, group: int, topk: torch.Tensor) -> torch.Tensor:
+        """A prepare's checks (raising an earlier refusal first); ``topk`` flattened, read in place
+        when packed (int32 or int64)."""
+        self._need_kernels("prepare")
+        self._check_usable()
+        self.inner._check_group(group)
+        if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
+            raise InvalidInputError("prepare: topk must be a [batch, k] or [batch, q, k] tensor")
+        if topk.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
+        self.inner._check_device("prepare: topk", topk)
+        self._raise_refused()
+        return readable_indices(topk)
+
+    # -- a local-mode prepare in two halves, for an engine's side stream (SparseKV) -------------------
+    @property
+    def call_contexts(self) -> int:
+        """1: the census and the pending word are the pool's, not a call context's, so an engine's
+        side stream runs this pool's calls in order (``SparseKV`` makes one stream). What overlaps
+        is what matters in a step: a group's later layers come in while its first is read."""
+        return 1
+
+    def reserve_scratch(self, elements: int) -> None:
+        """Size the census's local addresses and the slice's per-call scratch for selections of up
+        to ``elements`` now, and keep them (for CUDA-graph capture)."""
+        self.inner.reserve_scratch(elements)
+        self._census_state.local_for(elements)
+
+    def plan(
+        self,
+        group: int,
+        topk: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        new: NewRows | None = None,
+    ) -> TransferPlan | None:
+        """Local mode: the first half of ``prepare`` (the census, then the slice's plan), moving
+        nothing; ``run`` runs it, a layer at a time if asked (``TieredPool.plan``, ``run``). ``out``
+        receives the slots, -1 for entries homed elsewhere. ``None`` for an empty selection. Fetch
+        mode prepares in one collective call (``prepare``); new rows are written with ``write``."""
+        if not self.local:
+            raise InvalidInputError(
+                "plan: a fetch-mode striped pool prepares in one collective call (prepare)"
+            )
+        if new is not None:
+            raise InvalidInputError("plan: a striped pool takes new rows through write(), not with a plan")
+        flat = self._selection(group, topk)
+        if flat.numel() == 0:
+            return None
+        census = self._census(flat)
+        self._settle("prepare", census, [self.inner._layout.context(group).ctl])
+        return self.inner.plan(group, census.local.view(1, -1), out=out)
+
+    def run(self, plan: TransferPlan, until: Phase = Phase.COMMIT, in_layers: range | None = None) -> None:
+        """Run a local-mode ``plan`` through ``until`` (``TieredPool.run``)."""
+        self.inner.run(plan, until=until, in_layers=in_layers)
+        if plan.finished:
+            self._finish_call()
 
     def _census(self, flat: torch.Tensor, *, unique: bool = False, group: int | None = None) -> Census:
         """The call's census (``ulakv.layouts.census``): the same on every rank. With ``group``, a

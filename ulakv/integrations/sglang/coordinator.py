@@ -107,11 +107,10 @@ class UlakvSparseCoordinator:
         KV pool was built, before this, from SGLang's ``skip_topk_layers``, which SGLang does not pass
         with ``--enable-hisparse`` (so each layer is a group of its own there, for now)."""
         store = token_to_kv_pool_allocator.get_kvcache().ulakv_store
-        if isinstance(store, SGLangDcpStore):  # the backend localises; no transform, no swap-in
-            self._setup(store, req_to_token_pool.req_to_token, top_k, None)
-        else:
-            store.bound(max_queries=max(num_draft_tokens, 1), top_k=top_k)  # speculative verify: [B, Q, K]
-            self._setup(store, req_to_token_pool.req_to_token, top_k, sglang_transform())
+        store.bound(max_queries=max(num_draft_tokens, 1), top_k=top_k)  # speculative verify: [B, Q, K]
+        # Under DCP the backend localises: no transform, no swap-in here.
+        transform = None if isinstance(store, SGLangDcpStore) else sglang_transform()
+        self._setup(store, req_to_token_pool.req_to_token, top_k, transform)
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.tp_group = tp_group
@@ -187,12 +186,6 @@ class UlakvSparseCoordinator:
         layout = self.store.pool.config.layout
         return layout.inner if isinstance(self.store, SGLangDcpStore) else layout
 
-    def _join(self) -> None:
-        """Order later pool calls after the prefetch stream's moves (a DCP store's localisations
-        run on the current stream: nothing to wait for)."""
-        if isinstance(self.store, SGLangStore):
-            self.store.kv.join()
-
     # -- request lifecycle -----------------------------------------------------------------------
     def admit_request_into_staging(self, req: Any) -> None:
         """A request whose prefill finished: nothing to stage (its rows are in the pool); ready for
@@ -227,7 +220,7 @@ class UlakvSparseCoordinator:
         """Nothing to free: the request's slots are SGLang's allocator's, released to the pool when it
         frees them (a cached prefix outlives the request). Orders later pool calls after the side
         stream's moves."""
-        self._join()
+        self.store.kv.join()
 
     def map_last_loc_to_buffer(
         self,
@@ -244,7 +237,7 @@ class UlakvSparseCoordinator:
     def wait_for_pending_backup(self) -> None:
         """HiSparse waits for its device-to-host backup; ulakv keeps no backup (one home per entry).
         Pool calls are ordered after the side stream here."""
-        self._join()
+        self.store.kv.join()
 
     def set_decode_producer_stream(self, stream: Any) -> None:
         """The scheduler's forward stream. No work by design: pool calls run on the current stream
@@ -264,7 +257,7 @@ class UlakvSparseCoordinator:
         )
 
     def destroy(self) -> None:
-        self._join()
+        self.store.kv.join()
 
     # -- speculative decoding --------------------------------------------------------------------
     def allocate_spec_scratch(self, req_pool_indices: list[int]) -> None:

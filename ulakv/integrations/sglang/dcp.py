@@ -17,9 +17,12 @@ dtypes SGLang passes to its attention (``block_tables``: rows of ``gpu_buffer(la
 row and in the same order, what it reads from SGLang's dense sharded pool
 (``tests/test_sglang_dcp.py``, with SGLang's own kernel as the oracle).
 
-Layers that share a top-k share a layer group (``PoolConfig.layers_per_group``): their selection is
+Layers that share a top-k share a layer group (``PoolConfig.group_starts``): their selection is
 prepared once, for the group's first layer, and the later layers read the same tables, as SGLang's
 ``DcpPageTableCache`` reuses one localisation across layers that reuse the previous layer's top-k.
+With a ``SparseKV`` over the pool the group's moves run on its side stream, the first layer's rows
+first: the first layer's attention waits for those only, each later layer for the rest (on CPU
+the same calls run in order).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...engine.adapter import GroupStep, SparseKV
 from ...errors import InvalidInputError
 from ...frame import PoolFrame
 from ...kernels.compact import compact_slots
@@ -38,7 +42,8 @@ from .store import loc_addresses
 class LocalPageTable:
     """One localisation: ``block_table`` int32 ``[rows, topk]`` (this rank's GPU slots, packed, then
     -1) and ``counts`` int32 ``[rows]``; for ``layer`` (of ``group``), from ``source`` (the top-k
-    tensor, or the page table) of the step ``step`` (what the next layer compares to reuse it)."""
+    tensor, or the page table) of the step ``step`` (what the next layer compares to reuse it);
+    ``moves``: the group's moves on a side stream, which each layer waits for (None: done)."""
 
     layer: int
     group: int
@@ -46,6 +51,7 @@ class LocalPageTable:
     counts: torch.Tensor
     source: torch.Tensor
     step: object
+    moves: GroupStep | None = None
 
 
 class DcpLocalizer:
@@ -60,16 +66,22 @@ class DcpLocalizer:
     refilled in place for the next step is prepared again from the group's first layer.
     ``zero_is_padding``: 0 in a page table is padding (SGLang's padding slot, which a captured
     batch's padding requests select), read as -1. Pass ``out``/``counts`` buffers from a
-    CUDA-graph-captured step (a reused localisation is copied into them)."""
+    CUDA-graph-captured step (a reused localisation is copied into them). ``kv``: a ``SparseKV``
+    over ``pool`` whose bounds take a page table (rows as its ``max_batch``, ``top_k``): its
+    prepares run on the side stream; a larger table (a prefill chunk) is prepared on the current
+    stream after it."""
 
-    def __init__(self, pool: PoolFrame, *, zero_is_padding: bool = False) -> None:
+    def __init__(self, pool: PoolFrame, *, zero_is_padding: bool = False, kv: SparseKV | None = None) -> None:
         layout = pool.config.layout
         if not getattr(layout, "local", False) or pool.config.engine_addresses is None:
             raise InvalidInputError(
                 'DcpLocalizer needs a Striped(attention="local") pool over engine-owned addresses '
                 "(PoolConfig.engine_addresses: the engine's token slots)"
             )
+        if kv is not None and kv.pool is not pool:
+            raise InvalidInputError("DcpLocalizer: kv must be a SparseKV over the same pool")
         self.pool = pool
+        self.kv = kv
         self.zero_is_padding = zero_is_padding  # SGLang's loc 0: its padding slot, never a token's
         self.dcp_size, self.dcp_rank = layout.world, layout.rank
         self.last: LocalPageTable | None = None
@@ -102,6 +114,8 @@ class DcpLocalizer:
             and last.source is source
         ):
             last.layer = layer
+            if last.moves is not None:
+                last.moves.wait(layer)
             if out is not None and out is not last.block_table:
                 out.copy_(last.block_table)
             if counts is not None and counts is not last.counts:
@@ -113,10 +127,18 @@ class DcpLocalizer:
                 f"{tuple(page_table.shape)}"
             )
         addresses = loc_addresses(page_table) if self.zero_is_padding else page_table
-        slots = self.pool.prepare(group, addresses).slots
+        kv, moves = self.kv, None
+        rows, width = page_table.shape
+        if kv is not None and rows <= kv.max_batch and width <= kv.top_k:
+            moves = kv.prepare(group, addresses)
+            slots = moves.wait(layer)
+        else:
+            if kv is not None:
+                kv.join()  # the pool's calls in order: after the side stream's
+            slots = self.pool.prepare(group, addresses).slots
         block_table, found = compact_slots(slots, out=out, counts=counts)
         self.prepares += 1
-        self.last = LocalPageTable(layer, group, block_table, found, source, step)
+        self.last = LocalPageTable(layer, group, block_table, found, source, step, moves)
         return block_table, found
 
 

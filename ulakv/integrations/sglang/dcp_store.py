@@ -24,12 +24,14 @@ reuses a top-k in most layers, GLM-5.3's 21 indexers of 78, pays 2,772 bytes a t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ...config import EntrySpec, ExactLRU, PolicyConfig, PoolConfig, Striped, Tiered
+from ...engine.adapter import SparseKV
 from ...errors import InvalidInputError
 from ...pool import Pool
 from .dcp import DcpLocalizer
@@ -41,7 +43,9 @@ class DcpStoreConfig:
     """A rank's pool under SGLang's DCP from SGLang's sizes: ``device_tokens`` (a rank's device pool,
     ``size``: the GPU cache), ``host_to_device_ratio`` (HiSparse's flag: ``ratio - 1`` times that on
     the CPU), ``dcp_size``/``dcp_rank``, ``page_size`` (SGLang's 64-token DSA pages). ``group_starts``:
-    the layers that compute a fresh top-k (``layer_groups``)."""
+    the layers that compute a fresh top-k (``layer_groups``). ``max_batch`` x ``max_queries`` rows of
+    ``top_k`` bound a decode (or verify) page table, whose localisation runs on the side stream; a
+    larger one (a prefill chunk) runs on the current stream."""
 
     layers: int
     bytes_per_token: int
@@ -51,6 +55,9 @@ class DcpStoreConfig:
     dcp_rank: int
     page_size: int = FLASHMLA_PAGE
     group_starts: tuple[int, ...] | None = None
+    max_batch: int = 256
+    max_queries: int = 1
+    top_k: int = 2048
     policy: PolicyConfig = field(default_factory=ExactLRU)
     device: str | torch.device = "cpu"
     validate: bool | None = None
@@ -94,25 +101,46 @@ class SGLangDcpStore:
     def __init__(self, config: DcpStoreConfig) -> None:
         self.config = config
         self.pool = Pool(config.pool_config())
-        self.localizer = DcpLocalizer(self.pool, zero_is_padding=True)
+        self._bind()
+
+    def _bind(self) -> None:
+        cfg = self.config
+        self.kv = SparseKV(self.pool, max_batch=cfg.max_batch * cfg.max_queries, top_k=cfg.top_k)
+        self.localizer = DcpLocalizer(self.pool, zero_is_padding=True, kv=self.kv)
+
+    def bound(self, max_queries: int, top_k: int) -> None:
+        """Size the side stream's buffers for ``[max_batch x max_queries, top_k]`` page tables (the
+        coordinator knows SGLang's draft tokens and the model's top-k; the KV pool, built first,
+        does not). Rebuilds them only when they grow, before any step."""
+        cfg = self.config
+        top_k = -(-top_k // 4) * 4  # SGLang pads the trtllm page table's width to a multiple of 4
+        if max_queries <= cfg.max_queries and top_k <= cfg.top_k:
+            return
+        self.kv.join()
+        self.config = dataclasses.replace(
+            cfg, max_queries=max(max_queries, cfg.max_queries), top_k=max(top_k, cfg.top_k)
+        )
+        self._bind()
 
     addresses = staticmethod(loc_addresses)
 
     def admit(self, loc: torch.Tensor) -> None:
         """New tokens' ``loc`` (a decode step's ``out_cache_loc``, a prefill's extend): live now."""
         if loc.numel():
+            self.kv.join()
             self.pool.admit_addresses(self.addresses(loc.reshape(-1)))
 
     def release(self, loc: torch.Tensor) -> None:
         """``loc`` SGLang's allocator frees (a finished or retracted request's; a cached prefix when
         the radix tree lets it go): released once, by the last holder."""
         if loc.numel():
+            self.kv.join()
             self.pool.release_addresses(self.addresses(loc.reshape(-1)))
 
     def write(self, layer: int, loc: torch.Tensor, rows: torch.Tensor) -> None:
         """One layer's rows (uint8 ``[n, bytes_per_token]``) of the new tokens at ``loc`` (0 / -1:
         padding), the same on every rank: each keeps those homed on it."""
-        self.pool.write(layer, self.addresses(loc.reshape(-1)), rows)
+        self.kv.write(layer, self.addresses(loc.reshape(-1)), rows)
 
     def localize(
         self,
@@ -152,6 +180,7 @@ class SGLangDcpStore:
     def release_all(self) -> None:
         """Every live ``loc`` (SGLang's allocator ``clear``, at start-up and cache flushes): reads the
         flags back, a sync, never on a step; the same on every rank."""
+        self.kv.join()
         live = self.pool.live_addresses()
         if live.numel():
             self.pool.release_addresses(live)

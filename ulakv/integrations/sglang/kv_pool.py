@@ -104,6 +104,8 @@ class UlakvKVPoolMixin:
         )
         store_dtype = self.kv_buffer[0].dtype
         policy = policy_named(os.environ.get("ULAKV_SGLANG_POLICY", "lru"))
+        max_batch = int(os.environ.get("ULAKV_SGLANG_MAX_BATCH", max_running_requests or 256))
+        max_queries = int(os.environ.get("ULAKV_SGLANG_MAX_QUERIES", 1))
         # Layers that reuse the previous layer's top-k join its group: prepared once a step.
         starts = dcp_hooks.MODEL_GROUP_STARTS.get()
         if skip_topk_layers is not None:
@@ -119,6 +121,8 @@ class UlakvKVPoolMixin:
                     dcp_rank=dcp_rank,
                     page_size=page_size,
                     group_starts=starts,
+                    max_batch=max_batch,
+                    max_queries=max_queries,
                     policy=policy,
                     device=device,
                 )
@@ -131,8 +135,8 @@ class UlakvKVPoolMixin:
                     device_tokens=size,
                     logical_tokens=size * host_to_device_ratio,
                     page_size=page_size,
-                    max_batch=int(os.environ.get("ULAKV_SGLANG_MAX_BATCH", max_running_requests or 256)),
-                    max_queries=int(os.environ.get("ULAKV_SGLANG_MAX_QUERIES", 1)),
+                    max_batch=max_batch,
+                    max_queries=max_queries,
                     policy=policy,
                     device=device,
                     group_starts=starts,
