@@ -6,7 +6,8 @@ and the words a victim search reads as the pool grows. Prints Markdown for bench
 ``--backend pool`` replays through the real pool (its Triton kernels; interpreted on a CPU machine);
 ``--backend model`` through the policies' plain models, which tests hold equal to the pool down to
 the bytes moved (tests/test_traces.py), and which make the large suite affordable on a CPU.
-Victim-search reads come from the same device search the pool runs.
+Victim-search reads come from the serial bitmap search the pool ran before its candidate lists
+(``serial_search.py``, kept for that table).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ if __name__ == "__main__":
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
+from serial_search import bucket_bits, search
 
 from ulakv import PBLRU, ExactLRU
-from ulakv.kernels.buckets import bucket_bits, level_offsets, search
+from ulakv.kernels.buckets import level_offsets
 from ulakv.replay import replay
 from ulakv.traces import SyntheticSpec, synthetic
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from serial_search import bucket_bits, search
 
-from ulakv.kernels.buckets import bucket_bits, level_offsets, search
+from ulakv.kernels.buckets import level_offsets
 
 VICTIMS = 64
 SIZES = [16 * 1024, 256 * 1024, 4 * 1024 * 1024]

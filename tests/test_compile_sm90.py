@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 KERNELS = [
-    "_search_kernel",
     "apply_kernel",
     "census_kernel",
     "claim_kernel",

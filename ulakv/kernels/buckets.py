@@ -12,15 +12,16 @@ finding the first ``k`` set bits reads about ``k x levels`` words however large 
 3 levels, 4 M slots: 5). Victims: free slots, then cold, then the ring oldest first; never the current
 round's bucket, where this round's hits already sit (they are moved there before victims are sought).
 
-The policy's meaning, as a plain model over addresses, is ``ulakv.policies.pblru.PBLRUModel``;
-``search`` runs the victim search alone, for benchmarks.
+The policy's meaning, as a plain model over addresses, is ``ulakv.policies.pblru.PBLRUModel``.
+The pool's victims come from the classify programs' candidate lists (``ulakv.kernels.victims``),
+which read every bucket's leaf words; the serial summary-guided search it ran before lives in
+``benchmarks/serial_search.py``, for the table in ``benchmarks/RESULTS.md`` that measured it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import common as K
 from ._triton import tl, triton
 
 
@@ -98,79 +99,13 @@ def place(bits_ptr, BW, lvl_ptr, n_levels, stamp_ptr, cur, cur_bucket, slot, mas
     tl.store(stamp_ptr + slot, cur.to(tl.int32), mask=mask)
 
 
-@triton.jit
-def leaf_words(bits_ptr, base, lvl_ptr, n_levels, limit, buf_ptr, buf_size, BLOCK: tl.constexpr):
-    """Indices of the first ``limit`` non-empty leaf words of a bucket, ascending, descending the
-    summaries level by level. Each non-empty word holds at least one set bit, so keeping ``limit``
-    words a level is enough. Returns (count, location of the list, words read)."""
-    FB: tl.constexpr = BLOCK // 32
-    lane = tl.arange(0, BLOCK)
-    row, sub = lane // 32, lane % 32
-    tl.store(buf_ptr, 0)  # the top level is one word, word 0
-    tl.debug_barrier()
-    n = tl.full((), 1, tl.int64)
-    reads = tl.zeros((), dtype=tl.int64)
-    for i in range(0, n_levels - 1):
-        level = n_levels - 1 - i
-        src = buf_ptr + (i % 2) * buf_size
-        dst = buf_ptr + ((i + 1) % 2) * buf_size
-        off = tl.load(lvl_ptr + level)
-        m = tl.zeros((), dtype=tl.int64)
-        f0 = tl.zeros((), dtype=tl.int64)
-        while (f0 < n) & (m < limit):
-            fi = f0 + row
-            fm = fi < n
-            widx = tl.load(src + fi, mask=fm, other=0)
-            word = tl.load(bits_ptr + base + off + widx, mask=fm, other=0)
-            hit = fm & (((word >> sub) & 1) != 0)
-            rank = m + tl.cumsum(hit.to(tl.int64), axis=0) - 1
-            keep = hit & (rank < limit)
-            tl.store(dst + rank, widx * 32 + sub, mask=keep)
-            m += tl.sum(keep.to(tl.int64), axis=0)
-            reads += tl.minimum(n - f0, FB)
-            f0 += FB
-        tl.debug_barrier()
-        n = m
-    return n, buf_ptr + ((n_levels - 1) % 2) * buf_size, reads
-
-
-@triton.jit
-def take_victims(bits_ptr, base, lvl_ptr, n_levels, limit, buf_ptr, buf_size, out_ptr, BLOCK: tl.constexpr):
-    """The first ``limit`` set slots of a bucket, ascending, written to ``out_ptr`` and cleared from
-    the bucket. Returns (count, words read)."""
-    FB: tl.constexpr = BLOCK // 32
-    lane = tl.arange(0, BLOCK)
-    row, sub = lane // 32, lane % 32
-    n, words_ptr, reads = leaf_words(bits_ptr, base, lvl_ptr, n_levels, limit, buf_ptr, buf_size, BLOCK)
-    got = tl.zeros((), dtype=tl.int64)
-    f0 = tl.zeros((), dtype=tl.int64)
-    while (f0 < n) & (got < limit):
-        fi = f0 + row
-        fm = fi < n
-        widx = tl.load(words_ptr + fi, mask=fm, other=0)
-        word = tl.load(bits_ptr + base + widx, mask=fm, other=0)
-        hit = fm & (((word >> sub) & 1) != 0)
-        rank = got + tl.cumsum(hit.to(tl.int64), axis=0) - 1
-        keep = hit & (rank < limit)
-        slot = widx * 32 + sub
-        tl.store(out_ptr + rank, slot, mask=keep)
-        tl.debug_barrier()  # every lane has read its word before any bit of it is cleared
-        clear_path(bits_ptr, base, lvl_ptr, n_levels, slot, keep)
-        got += tl.sum(keep.to(tl.int64), axis=0)
-        reads += tl.minimum(n - f0, FB)
-        f0 += FB
-    return got, reads
-
-
 class PBLRUBits:
     """Plain-Python twin of the device bitmaps of one group, for the kernels' references.
 
     Holds one set of slots per bucket; ``store`` writes leaf words *and recomputes every summary
     level from the leaves*, so a kernel that maintains summaries incrementally must agree with a
-    from-scratch rebuild. Searches count words read exactly as the device does (32 words a step).
+    from-scratch rebuild; ``retire`` counts the words the round end reads.
     """
-
-    FB = 32  # words a search step reads: the kernels' BLOCK (1024 lanes) / 32 bits
 
     def __init__(self, st, g: int) -> None:
         self.st, self.g = st, g
@@ -215,34 +150,6 @@ class PBLRUBits:
             levels.append(words)
         return levels
 
-    def _leaf_words(self, levels: list[list[int]], limit: int) -> tuple[list[int], int]:
-        frontier, reads = [0], 0
-        for words in reversed(levels[1:]):
-            nxt, f0 = [], 0
-            while f0 < len(frontier) and len(nxt) < limit:
-                chunk = frontier[f0 : f0 + self.FB]
-                for w in chunk:
-                    nxt += [w * 32 + i for i in range(32) if (words[w] >> i) & 1]
-                reads += len(chunk)
-                f0 += self.FB
-            frontier = nxt[:limit]
-        return frontier, reads
-
-    def take(self, bucket: int, limit: int) -> tuple[list[int], int]:
-        """The first ``limit`` slots of ``bucket`` (removed from it) and the words read."""
-        levels = self._levels(bucket)
-        leaf_words, reads = self._leaf_words(levels, limit)
-        got, f0 = [], 0
-        while f0 < len(leaf_words) and len(got) < limit:
-            chunk = leaf_words[f0 : f0 + self.FB]
-            for w in chunk:
-                got += [w * 32 + i for i in range(32) if (levels[0][w] >> i) & 1]
-            reads += len(chunk)
-            f0 += self.FB
-        got = got[:limit]
-        self.sets[bucket] -= set(got)
-        return got, reads
-
     def retire(self, cur: int) -> int:
         """End of round ``cur``: next round's bucket joins cold. Returns words read, as the round
         end's programs read them (``ulakv.kernels.round_end``): every level-1 summary word, and the
@@ -265,51 +172,3 @@ class PBLRUBits:
 
     def store(self) -> None:
         self.st.bits[self.g] = self.packed().to(self.st.bits.device)
-
-
-# Not specialised: the ints (limit varies per call; the rest size the bitmap, no vectorisable access) and
-# the caller's bucket's alignment. The other pointers are allocated by ``search``. BLOCK: constexpr.
-@triton.jit(do_not_specialize=["n_levels", "limit", "buf_size"], do_not_specialize_on_alignment=["bits_ptr"])
-def _search_kernel(
-    bits_ptr, lvl_ptr, n_levels, limit, buf_ptr, buf_size, out_ptr, stats_ptr, BLOCK: tl.constexpr
-):
-    got, reads = take_victims(bits_ptr, 0, lvl_ptr, n_levels, limit, buf_ptr, buf_size, out_ptr, BLOCK)
-    tl.store(stats_ptr, got)
-    tl.store(stats_ptr + 1, reads)
-
-
-def bucket_bits(occupied: torch.Tensor) -> torch.Tensor:
-    """One bucket's words (leaf and every summary level) for a boolean ``[slots]`` occupancy."""
-    levels = []
-    bits = occupied.to(torch.bool)
-    while True:
-        padded = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 32)).view(-1, 32).to(torch.int64)
-        words = (padded << torch.arange(32)).sum(1)
-        levels.append(torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
-        if words.numel() == 1:
-            return torch.cat(levels)
-        bits = words != 0
-
-
-def search(bucket: torch.Tensor, gpu_slots: int, count: int) -> tuple[torch.Tensor, int]:
-    """Take the first ``count`` slots of one bucket (``bucket_bits`` layout, cleared in place) with
-    the same device search the pool uses. Returns the slots and the words read; for benchmarks."""
-    offsets = level_offsets(gpu_slots)
-    device = bucket.device
-    levels = torch.tensor(offsets, dtype=torch.int64, device=device)
-    frontier = torch.empty(2 * offsets[1], dtype=torch.int32, device=device)
-    out = torch.full((max(count, 1),), -1, dtype=torch.int32, device=device)
-    stats = torch.zeros(2, dtype=torch.int64, device=device)
-    _search_kernel[(1,)](
-        bits_ptr=bucket,
-        lvl_ptr=levels,
-        n_levels=len(offsets) - 1,
-        limit=count,
-        buf_ptr=frontier,
-        buf_size=offsets[1],
-        out_ptr=out,
-        stats_ptr=stats,
-        BLOCK=K.BLOCK,
-    )
-    got, reads = stats.tolist()
-    return out[:got], reads

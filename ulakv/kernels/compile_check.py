@@ -90,13 +90,11 @@ def intercept_launches(arch: int, on_launch: OnLaunch) -> Iterator[None]:
 
 def drive_pool() -> None:
     """Every launch the pool makes, in each configuration the tool covers: two row widths (words
-    and bytes), both policies, a striped rank's buffer, census and fetch bookkeeping, PB-LRU's
-    standalone search, an engine-owned
+    and bytes), both policies, a striped rank's buffer, census and fetch bookkeeping, an engine-owned
     pool's admission and release, and ``compact_slots``."""
     import torch
 
     from ulakv import PBLRU, EntrySpec, ExactLRU, NewRows, Pool, PoolConfig, Tiered, compact_slots
-    from ulakv.kernels.buckets import bucket_bits, search
     from ulakv.kernels.operands import readable_rows
     from ulakv.layouts.census import CensusState
     from ulakv.layouts.row_exchange import RowExchange
@@ -148,7 +146,6 @@ def drive_pool() -> None:
         )  # fmt: skip
         exchange.plan(selection, plan.scratch, slots, 40)
     exchange.merge_slots(fetched.local, slots, 41)
-    search(bucket_bits(torch.ones(40, dtype=torch.bool)), 40, 4)
     # Engine-owned addresses (both check variants, and release's checked one), then FlashInfer's layout.
     engine = Pool(cfg.replace(engine_addresses=64, page_size=64))
     locs = torch.tensor([9, 3, -1, 17])
