@@ -23,7 +23,7 @@ demo: $(BIN)/.ready
 SGLANG_READY := $(or $(ULAKV_SGLANG_CACHE),.cache/sglang-0.5.23)/.ready
 
 $(SGLANG_READY): | $(BIN)/.ready
-	$(BIN)/python -m ulakv.integrations.sglang.wheel
+	$(BIN)/python -m tools.sglang_wheel
 
 test: $(BIN)/.ready $(SGLANG_READY)
 	$(BIN)/python -m pytest -q -n auto --dist worksteal

@@ -1,5 +1,5 @@
 """A prepare's critical path: the sum over its launches of the busiest program's memory operations
-(``ulakv.kernels.critical_path``), at decode shapes, both policies.
+(``tools.critical_path``), at decode shapes, both policies.
 
     python benchmarks/critical_path.py                 # batch 16 and 64 x 3 queries x top-2048
     python benchmarks/critical_path.py --batch 4 16    # other batches
@@ -21,15 +21,18 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
 
 import torch
 
+from tools.critical_path import GPU_PROGRAM_SLOTS, count_memory_ops, critical_path
 from ulakv import PBLRU, EntrySpec, ExactLRU, NewRows, Pool, PoolConfig, Tiered
 from ulakv.kernels import apply as apply_mod
-from ulakv.kernels.critical_path import GPU_PROGRAM_SLOTS, count_memory_ops, critical_path
 from ulakv.traces import SyntheticSpec, synthetic
 
 CONTEXT = 8192

@@ -7,7 +7,7 @@ Each step writes one new token a request (``extend`` + ``write``) and prepares t
 ``[B, 3, K]`` selection (a synthetic DSA-shaped trace: sinks, a local window, drifting heavy hitters,
 far picks partly kept from the step before). The GPU tier is filled with cold entries first, so
 every step's misses evict. Each step's critical path is counted under the Triton interpreter
-(``ulakv.kernels.critical_path``: per launch the busiest program's memory operations, summed over
+(``tools.critical_path``: per launch the busiest program's memory operations, summed over
 the write's and the prepare's launches), with ``apply`` at its GPU tiling. Unlike the warmed single
 prepare of ``benchmarks/critical_path.py``, every step counts, so work the planning program does
 every few calls (exact LRU's ring compaction, PB-LRU's round end) shows in the mean and the worst
@@ -24,15 +24,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
 
 import torch
 
+from tools.critical_path import count_memory_ops, critical_path
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
 from ulakv.kernels import apply as apply_mod
-from ulakv.kernels.critical_path import count_memory_ops, critical_path
 from ulakv.traces import SyntheticSpec, synthetic
 
 TOPK = 64

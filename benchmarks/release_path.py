@@ -1,5 +1,5 @@
 """A long request leaving: the critical path of its release, in memory operations of the busiest
-programs (``ulakv.kernels.critical_path``), by number of layer groups and tokens, both policies.
+programs (``tools.critical_path``), by number of layer groups and tokens, both policies.
 
     python benchmarks/release_path.py                        # 8 and 61 groups, 4K and 16K tokens
     python benchmarks/release_path.py --groups 61 --tokens 32768
@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
 
 import torch
 
+from tools.critical_path import count_memory_ops, critical_path
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
-from ulakv.kernels.critical_path import count_memory_ops, critical_path
 
 GPU_SLOTS = 1024
 WIDTH = 16  # bytes a row: the counts do not depend on it

@@ -16,7 +16,7 @@ only ever checked here.
 Checks, in order, each independent (a failure is reported and the next check runs):
 
 1. ``version``: the installed sglang is the pinned release (``SGLANG_VERSION``).
-2. ``conformance``: ``ulakv.integrations.sglang.conformance`` on the *installed* package's source:
+2. ``conformance``: ``tools.sglang_conformance`` on the *installed* package's source:
    our three classes have every member SGLang uses, with signatures that take SGLang's calls.
 3. ``install``: ``install(force=True)`` and SGLang's ``HookRegistry.apply_hooks()`` replace
    ``HiSparseCoordinator`` by ours and the HiSparse pool / allocator by subclasses of our mixins (in
@@ -88,6 +88,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (conformance)
+
 # Only the standard library here: the script must import (and ``--help`` answer) without SGLang, and
 # quickly; torch, ulakv and sglang are imported inside the checks.
 if TYPE_CHECKING:
@@ -146,7 +148,7 @@ class Result:
 
 # -- helpers: what is installed ------------------------------------------------------------------------
 def _pinned() -> str:
-    from ulakv.integrations.sglang.wheel import SGLANG_VERSION
+    from ulakv.integrations.sglang.version import SGLANG_VERSION
 
     return SGLANG_VERSION
 
@@ -431,7 +433,7 @@ def check_version(details: dict[str, Any]) -> str:
 # -- 2. conformance --------------------------------------------------------------------------------------
 def check_conformance(details: dict[str, Any]) -> str:
     source = _sglang_source_dir()
-    from ulakv.integrations.sglang import conformance
+    from tools import sglang_conformance as conformance
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
+from tools.critical_path import count_memory_ops
 from ulakv import PBLRU, EntrySpec, Pool, PoolConfig, Tiered
 from ulakv.kernels import common as K
 from ulakv.kernels.buckets import level_offsets
-from ulakv.kernels.critical_path import count_memory_ops
 
 GPU_SLOTS = 4096  # 128 leaf words, 4 level-1 words, one top word a bucket
 BUCKETS = 4

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tools.critical_path import count_memory_ops, critical_path
 from ulakv.kernels._triton import INTERPRETED, tl, triton
-from ulakv.kernels.critical_path import count_memory_ops, critical_path
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="counting runs under the Triton interpreter")
 

@@ -17,6 +17,8 @@
 - Every relative markdown link in README.md and ``docs/*.md`` resolves to a file inside the
   repository (and an ``#anchor`` to a heading of it); no text in README.md, docs/, ulakv/ or
   benchmarks/ points outside the repository.
+- The package imports none of the repository's developer tools (``tools/``): ``import ulakv`` and
+  the SGLang plugin load none of them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -563,3 +568,48 @@ def test_no_text_points_outside_the_repository() -> None:
         if any(s in line for s in outside)
     ]
     assert not found, "references outside the repository:\n" + "\n".join(found)
+
+
+# -- developer tools stay out of the package -----------------------------------------------------------
+def tool_imports(package: Path) -> list[str]:
+    """Every import of the repository's ``tools`` (developer and CI tooling) from a module under
+    ``package``, function-level imports included: ``module: line``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(n == "tools" or n.startswith("tools.") for n in names):
+                found.append(f"{path.relative_to(package.parent).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_the_package_imports_no_developer_tool() -> None:
+    assert tool_imports(ROOT / "ulakv") == []
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, ulakv, ulakv.cli, ulakv.integrations.sglang, ulakv.integrations.sglang.plugin;"
+            "print(sorted(m for m in sys.modules if m == 'tools' or m.startswith('tools.')))",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert loaded.stdout.strip() == "[]", loaded.stdout
+
+
+def test_the_tool_import_check_finds_a_planted_import(tmp_path: Path) -> None:
+    package = tmp_path / "ulakv"
+    (package / "kernels").mkdir(parents=True)
+    (package / "kernels" / "spy.py").write_text(
+        "def f():\n    from tools.critical_path import critical_path\n"
+    )
+    (package / "fine.py").write_text("import toolz\nfrom .tools import x\n")
+    assert tool_imports(package) == ["ulakv/kernels/spy.py:2"]

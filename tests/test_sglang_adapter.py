@@ -19,10 +19,10 @@ import random
 import pytest
 import torch
 
+from tools.sglang_wheel import load_transform_index, wheel_source
 from ulakv import CapacityError
 from ulakv.integrations.sglang import SGLangStore, StoreConfig, UlakvSparseCoordinator
 from ulakv.integrations.sglang.layer_groups import group_starts_from_skips
-from ulakv.integrations.sglang.wheel import load_transform_index, wheel_source
 
 BYTES = 16
 

@@ -1,10 +1,11 @@
 """The SGLang adapter's drop-ins against the pinned SGLang release's own source.
 
-Three parts: the wheel cache (``wheel.py``); the extractor (``conformance.py``) on the real wheel, on SGLang's
-own classes (which must conform to their own usage) and on a tiny synthetic source tree; and the real check,
-our three classes against SGLang's usage and class bodies, plus a proof that the check bites (a method
-removed from our class is reported). The wheel is downloaded on first use into ``.cache/`` (``make test``
-fetches it beforehand); a failed download fails the tests, it does not skip them.
+Three parts: the wheel cache (``tools/sglang_wheel.py``); the extractor
+(``tools/sglang_conformance.py``) on the real wheel, on SGLang's own classes (which must conform to
+their own usage) and on a tiny synthetic source tree; and the real check, our three classes against
+SGLang's usage and class bodies, plus a proof that the check bites (a method removed from our class
+is reported). The wheel is downloaded on first use into ``.cache/`` (``make test`` fetches it
+beforehand); a failed download fails the tests, it does not skip them.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from ulakv.integrations.sglang import conformance, wheel
-from ulakv.integrations.sglang.conformance import (
+from tools import sglang_conformance as conformance
+from tools import sglang_wheel as wheel
+from tools.sglang_conformance import (
     ALLOCATOR_CLASS,
     COORDINATOR_CLASS,
     POOL_CLASS,

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import ulakv
+from tools.sglang_wheel import load_transform_index, wheel_source
 from ulakv import PBLRU, EntrySpec, ExactLRU, PoolConfig, Striped, Tiered
 from ulakv.errors import ConfigError, InvalidAddressError, InvalidInputError
 from ulakv.integrations.sglang.dcp import DcpLocalizer, sglang_dcp_reference
-from ulakv.integrations.sglang.wheel import load_transform_index, wheel_source
 from ulakv.spawn import run_ranks
 
 WIDTH = 20  # bytes a row: odd rows of 5 words

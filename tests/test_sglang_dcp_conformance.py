@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ulakv.integrations.sglang import dcp_conformance
-from ulakv.integrations.sglang.wheel import wheel_source
+from tools import sglang_dcp_conformance as dcp_conformance
+from tools.sglang_wheel import wheel_source
 
 FILES = sorted({e.module for e in dcp_conformance.EXPECTED} | {"sglang/srt/layers/attention/dsa_backend.py"})
 

@@ -15,6 +15,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
+from tools.sglang_wheel import load_transform_index, wheel_source
 from ulakv import CapacityError, UlakvError
 from ulakv.integrations.sglang import dcp_hooks
 from ulakv.integrations.sglang.allocator import UlakvAllocatorMixin
@@ -22,7 +23,6 @@ from ulakv.integrations.sglang.coordinator import UlakvSparseCoordinator, Unsupp
 from ulakv.integrations.sglang.dcp import sglang_dcp_reference
 from ulakv.integrations.sglang.dcp_store import DcpStoreConfig, SGLangDcpStore
 from ulakv.integrations.sglang.layer_groups import group_starts_from_config
-from ulakv.integrations.sglang.wheel import load_transform_index, wheel_source
 
 BYTES = 16
 

@@ -17,10 +17,10 @@ import random
 import pytest
 import torch
 
+from tools.sglang_wheel import load_transform_index, wheel_source
 from ulakv import CapacityError
 from ulakv.integrations.sglang.dcp_store import DcpStoreConfig, SGLangDcpStore
 from ulakv.integrations.sglang.layer_groups import group_starts_from_skips
-from ulakv.integrations.sglang.wheel import load_transform_index, wheel_source
 from ulakv.spawn import run_ranks
 
 BYTES = 16

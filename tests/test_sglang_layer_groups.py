@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ulakv
+from tools.sglang_wheel import wheel_source
 from ulakv import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
 from ulakv.errors import ConfigError, InvalidInputError
 from ulakv.integrations.sglang.layer_groups import (
@@ -17,7 +18,6 @@ from ulakv.integrations.sglang.layer_groups import (
     group_starts_from_skips,
     skips_topk,
 )
-from ulakv.integrations.sglang.wheel import wheel_source
 
 
 @pytest.fixture(scope="module")

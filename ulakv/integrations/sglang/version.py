@@ -1,8 +1,7 @@
 """The SGLang release the adapter is written and checked against.
 
-Its own module so that the package can name it without importing ``wheel``: ``python -m
-ulakv.integrations.sglang.wheel`` (``make test``'s set-up) would otherwise find that module already
-imported by the package and run it twice over.
+Its own module, importing nothing: the plugin refuses another release with it, and the developer
+tools (``tools.sglang_wheel``, which fetches this release's wheel for the tests) name it from here.
 """
 
 SGLANG_VERSION = "0.5.23"

@@ -11,7 +11,7 @@ parameter would only show on a GPU deep inside a serving run. This module reads 
 - ``class_api``: the methods and properties of one class body (the pool's and the allocator's);
 - ``problems``: what our class lacks or cannot accept, as readable lines (empty when it conforms).
 
-``python -m ulakv.integrations.sglang.conformance [--source DIR]`` prints the tables and our classes'
+``python -m tools.sglang_conformance [--source DIR]`` prints the tables and our classes'
 problems (exit code 1 if any); ``--source`` may name an installed SGLang's site-packages directory.
 """
 
@@ -595,9 +595,7 @@ def _our_classes() -> list[tuple[str, str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Print what SGLang uses of the three classes and our drop-ins' problems; 1 if there are any."""
-    parser = argparse.ArgumentParser(
-        prog="python -m ulakv.integrations.sglang.conformance", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m tools.sglang_conformance", description=__doc__)
     parser.add_argument(
         "--source",
         type=Path,
@@ -606,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.source is None:
-        from .wheel import wheel_source
+        from tools.sglang_wheel import wheel_source
 
         source = wheel_source()
     else:

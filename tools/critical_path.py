@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._triton import INTERPRETED
-from .grid import GPU_PROGRAM_SLOTS
+from ulakv.kernels._triton import INTERPRETED
+from ulakv.kernels.grid import GPU_PROGRAM_SLOTS
 
 __all__ = ["GPU_PROGRAM_SLOTS", "Launch", "count_memory_ops", "critical_path"]
 

@@ -7,7 +7,7 @@ the wheel with pip, keeps only its ``.py`` files in a cache directory and hands 
 
 Cache: ``<repo>/.cache/sglang-<version>/`` unless the environment variable ``ULAKV_SGLANG_CACHE``
 names another directory. A ``.ready`` file marks a complete extraction (``make test`` depends on it).
-``python -m ulakv.integrations.sglang.wheel`` fetches and prints the path.
+``python -m tools.sglang_wheel`` fetches and prints the path.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 from types import ModuleType
 
-from .version import SGLANG_VERSION
+from ulakv.integrations.sglang.version import SGLANG_VERSION
 
 __all__ = ["SGLANG_VERSION", "load_transform_index", "main", "wheel_source"]
 
@@ -33,7 +33,7 @@ __all__ = ["SGLANG_VERSION", "load_transform_index", "main", "wheel_source"]
 _WHEEL_TAGS = ("--python-version", "3.11", "--implementation", "cp", "--abi", "cp311")
 _WHEEL_PLATFORM = ("--platform", "manylinux_2_34_x86_64")
 
-_REPO = Path(__file__).resolve().parents[3]
+_REPO = Path(__file__).resolve().parents[1]
 _READY = ".ready"
 _TRANSFORM_INDEX = Path("sglang/kernels/ops/attention/dsa/transform_index.py")
 

@@ -17,7 +17,7 @@ taking widened ids under DCP, the positional
 HiSparse, the index buffer counted ``dcp_size`` times in the memory profile, and the hook registry's
 calling conventions.
 
-``python -m ulakv.integrations.sglang.dcp_conformance [--source DIR]`` prints them (exit code 1 if any).
+``python -m tools.sglang_dcp_conformance [--source DIR]`` prints them (exit code 1 if any).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ _BACKEND = "sglang/srt/layers/attention/dsa_backend.py"
 
 def hook_problems(source: Path) -> list[str]:
     """What ``dcp_hooks`` expects of the SGLang source at ``source`` and does not find, a line each."""
-    from .dcp_hooks import DCP_HOOKS
+    from ulakv.integrations.sglang.dcp_hooks import DCP_HOOKS
 
     source = Path(source)
     found: list[str] = []
@@ -397,13 +397,13 @@ def hook_problems(source: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ulakv.integrations.sglang.dcp_conformance")
+    parser = argparse.ArgumentParser(prog="python -m tools.sglang_dcp_conformance")
     parser.add_argument(
         "--source", type=Path, default=None, help="directory holding sglang/ (default: the pinned wheel)"
     )
     args = parser.parse_args(argv)
     if args.source is None:
-        from .wheel import wheel_source
+        from tools.sglang_wheel import wheel_source
 
         args.source = wheel_source()
     found = problems(args.source) + hook_problems(args.source)
