@@ -132,3 +132,23 @@ def test_plan_measures_the_working_set_on_a_given_trace(capsys, tmp_path) -> Non
     assert f"measured on trace {path}" in out
     union = float(out.split("step working set")[1].split("union ")[1].split(" ")[0])
     assert union > 1.5  # three query positions that share no far picks
+
+
+def test_a_comparison_counts_the_steps_it_runs_and_refuses_bad_capacities() -> None:
+    """``SystemComparison`` (what ``ulakv replay`` runs): its ``steps`` are the progress bar's total,
+    ticked exactly by ``run``; a quota too small for one request's selection is a row of ``None``."""
+    from ulakv.comparison import SystemComparison
+    from ulakv.errors import InvalidInputError
+    from ulakv.traces import SyntheticSpec, synthetic
+
+    trace = synthetic(SyntheticSpec(requests=3, prompt=(60, 90), steps=4, topk=16, groups=1))
+    comparison = SystemComparison(trace, [1.0, 3.0], world=2)
+    ticks = []
+    rows, occupancy = comparison.run(on_step=ticks.append)
+    assert sum(ticks) == comparison.steps == (6 + len(comparison.occupancy_runs)) * trace.horizon
+    assert [r["label"].split(",")[0] for r in rows] == ["ulakv", "ulakv", "CPU offload"] * 2
+    for run, r in zip(comparison.runs, rows, strict=True):
+        assert (r["hit_rate"] is None) == (not run.fits)  # no quota holds one request's selection
+    assert occupancy[0]["distinct_per_slot"] == 1.0 and occupancy[1]["distinct_per_slot"] == 0.5
+    with pytest.raises(InvalidInputError, match="capacities"):
+        SystemComparison(trace, [0.0])

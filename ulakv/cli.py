@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 
@@ -186,30 +185,10 @@ def _load_trace(args: argparse.Namespace):
     )
 
 
-def _concurrency(trace) -> tuple[int, int]:
-    """Most requests alive at once, and the most distinct positions one request selects in a
-    group-step (what a per-request quota must hold)."""
-    alive = max(
-        sum(1 for r in trace.requests if r.arrival <= step < r.arrival + r.steps)
-        for step in range(trace.horizon)
-    )
-    largest = 0
-    for r in trace.requests:
-        for step in range(r.steps):
-            for g in range(r.topk.shape[1]):
-                picks = r.topk[step, g].flatten()
-                largest = max(largest, int(picks[picks >= 0].unique().numel()))
-    return alive, largest
-
-
 def run_replay(args: argparse.Namespace) -> int:
-    from .config import PBLRU, CPUOffloadBaseline, ExactLRU, Replicated, Tiered
-    from .replay import policy_name, replay
+    from .comparison import SystemComparison
 
     trace, described = _load_trace(args)
-    working = trace.working_set()
-    alive, per_request = _concurrency(trace)
-    total = sum(r.prompt_len + r.steps for r in trace.requests)
     _check_numbers(args)
     try:
         capacities = [float(c) for c in args.capacities.split(",")]
@@ -217,71 +196,17 @@ def run_replay(args: argparse.Namespace) -> int:
         capacities = []
     if not capacities or min(capacities) <= 0:
         raise argparse.ArgumentTypeError("--capacities: positive multiples, comma-separated (e.g. 1,2,4)")
-    policies = [ExactLRU(), PBLRU(args.buckets)]
-
-    runs = []  # (x, gpu_slots, label, policy, layout or None, backend)
-    for x in capacities:
-        slots = max(1, math.ceil(x * working))
-        for policy in policies:
-            runs.append((x, slots, f"ulakv, {policy_name(policy)}", policy, None, args.backend))
-        quota = slots // alive
-        offload = (
-            CPUOffloadBaseline(cpu_slots=total, slots_per_request=quota, max_requests=alive)
-            if quota >= per_request
-            else None
-        )
-        runs.append((x, slots, "CPU offload, per-request LRU", ExactLRU(), offload, args.backend))
-    # Occupancy from real pools (Triton kernels) at one capacity: distinct entries / physical slots.
-    x_mid = capacities[len(capacities) // 2]
-    mid = max(1, math.ceil(x_mid * working))
-    quota = mid // alive
-    occupancy_runs = [
-        ("ulakv (Tiered)", Tiered(gpu_slots=mid, cpu_slots=total, policy=PBLRU(args.buckets))),
-        (f"Replicated (world {args.world})", Replicated(world=args.world, gpu_slots=total)),
-    ]
-    if quota >= per_request:
-        occupancy_runs.append(
-            ("CPU offload", CPUOffloadBaseline(cpu_slots=total, slots_per_request=quota, max_requests=alive))
-        )
-
-    bar = _progress(args, (len(runs) + len(occupancy_runs)) * trace.horizon)
-    rows = []
-    for x, slots, label, policy, layout, backend in runs:
-        if label.startswith("CPU") and layout is None:
-            bar.update(trace.horizon)
-            rows.append(_row(x, slots, label, None))
-            continue
-        result = replay(trace, policy, slots, layout=layout, backend=backend, on_step=lambda _: bar.update(1))
-        rows.append(_row(x, slots, label, result))
-    occupancy = []
-    for label, layout in occupancy_runs:
-        result = replay(trace, ExactLRU(), mid, layout=layout, on_step=lambda _: bar.update(1))
-        occupancy.append(
-            {
-                "layout": label,
-                "distinct_entries": result.peak_distinct_entries,
-                "physical_slots": result.peak_physical_slots,
-                "distinct_per_slot": round(result.distinct_per_slot, 4),
-                "hit_rate": result.hit_rate,
-            }
-        )
+    comparison = SystemComparison(
+        trace,
+        capacities,
+        buckets=args.buckets,
+        backend=args.backend,
+        world=args.world,
+        striped_world=args.striped_world,
+    )
+    bar = _progress(args, comparison.steps)
+    rows, occupancy = comparison.run(on_step=bar.update)
     bar.close()
-    if args.striped_world > 1:
-        from .spawn import run_ranks
-
-        for attention in ("fetch", "local"):
-            ranks = run_ranks(_striped_replay, args.striped_world, trace, mid, args.buckets, attention)
-            distinct, physical = sum(r["distinct"] for r in ranks), sum(r["physical"] for r in ranks)
-            occupancy.append(
-                {
-                    "layout": f"Striped {attention} (world {args.striped_world})",
-                    "distinct_entries": distinct,
-                    "physical_slots": physical,  # fetch: the buffers' copies too
-                    "distinct_per_slot": round(distinct / physical, 4),
-                    "hit_rate": ranks[0]["hit_rate"],  # fetch: the buffer's, the same on every rank
-                }
-            )
-
     if args.plot:
         from .plots import hit_rate_curves
 
@@ -291,8 +216,9 @@ def run_replay(args: argparse.Namespace) -> int:
         return 0
     print(described)
     print(
-        f"one step's working set: {working} distinct positions a group; {alive} requests at most at once; "
-        f"CPU-offload quota = GPU slots / {alive} (needs >= {per_request})"
+        f"one step's working set: {comparison.working} distinct positions a group; {comparison.alive} "
+        f"requests at most at once; CPU-offload quota = GPU slots / {comparison.alive} (needs >= "
+        f"{comparison.per_request})"
     )
     print(f"{'x ws':>5s} {'slots':>6s}  {'system':30s} {'hit rate':>8s} {'Belady':>7s} {'MB in/step':>10s} "
           f"{'MB out/step':>11s}")  # fmt: skip
@@ -302,7 +228,7 @@ def run_replay(args: argparse.Namespace) -> int:
         mb_in = f"{r['bytes_in_per_step'] / 1e6:10.3f}" if r["hit_rate"] is not None else ""
         mb_out = f"{r['bytes_out_per_step'] / 1e6:11.3f}" if r["hit_rate"] is not None else ""
         print(f"{r['x']:5.2f} {r['gpu_slots']:6d}  {r['label']:30s} {hit:>8s} {belady:>7s} {mb_in} {mb_out}")
-    print(f"\nreal pools at {x_mid} x working set, at the step they held most (all ranks):")
+    print(f"\nreal pools at {comparison.x_mid} x working set, at the step they held most (all ranks):")
     print(f"  {'layout':24s} {'distinct':>9s} {'physical':>9s} {'distinct/physical':>18s} {'hit rate':>9s}")
     for o in occupancy:
         print(
@@ -310,42 +236,6 @@ def run_replay(args: argparse.Namespace) -> int:
             f"{o['distinct_per_slot']:18.4f} {100 * o['hit_rate']:8.2f}%"
         )
     return 0
-
-
-def _striped_replay(rank: int, world: int, trace, buffer: int, buckets: int, attention: str) -> dict:
-    """One rank of a striped pool (tensor parallelism) replaying ``trace``: its slice holds a
-    ``1/world`` share of the history (GPU part: one step's working set; the rest on the CPU); in
-    fetch mode a buffer of ``buffer`` slots beside it, in local mode none."""
-    from .config import PBLRU, Striped, Tiered
-    from .replay import replay
-
-    total = sum(r.prompt_len + r.steps for r in trace.requests)
-    share = -(-total // world) + len(trace.requests)
-    inner = Tiered(gpu_slots=buffer, cpu_slots=share, policy=PBLRU(buckets))
-    if attention == "local":
-        layout = Striped(world=world, rank=rank, attention="local", inner=inner)
-    else:
-        layout = Striped(world=world, rank=rank, buffer_slots=buffer, policy=PBLRU(buckets), inner=inner)
-    result = replay(trace, PBLRU(buckets), buffer, layout=layout)
-    return {
-        "hit_rate": result.hit_rate,
-        "belady": result.belady_hit_rate,
-        "distinct": result.peak_distinct_entries,
-        "physical": result.peak_physical_slots,
-        "fetched_per_step": result.pool_stats["bytes_communicated"] / result.steps,
-    }
-
-
-def _row(x: float, slots: int, label: str, result) -> dict:
-    return {
-        "x": x,
-        "gpu_slots": slots,
-        "label": label,
-        "hit_rate": result.hit_rate if result else None,
-        "belady_hit_rate": result.belady_hit_rate if result else None,
-        "bytes_in_per_step": result.bytes_in_per_step if result else None,
-        "bytes_out_per_step": result.bytes_out_per_step if result else None,
-    }
 
 
 def _progress(args: argparse.Namespace, total: int):
