@@ -164,3 +164,31 @@ def test_write_to_cpu_home_stays_on_cpu() -> None:
     # nothing else may leave the GPU.
     assert s1["bytes_out"] - s0["bytes_out"] in (0, 3 * 656)
     assert_reads(pool, model, addrs)
+
+
+@pytest.mark.parametrize("kind", ["tiered", "striped-local", "offload"])
+def test_memory_reports_each_tensor_once_by_purpose(kind: str) -> None:
+    """``memory()``: the rows where they are (every layer, the dummy row too), the CPU tier's
+    staging rows apart, and the rest as metadata; what ``ulakv capacity`` sizes systems from."""
+    from ulakv import CPUOffloadBaseline, EntrySpec, MemoryReport, Pool, PoolConfig, Striped, Tiered
+
+    layers, width, gpu, cpu = 3, 7, 10, 30
+    tiered = Tiered(gpu_slots=gpu, cpu_slots=cpu)
+    layout = {
+        "tiered": tiered,
+        "striped-local": Striped(world=2, rank=1, attention="local", inner=tiered),
+        "offload": CPUOffloadBaseline(cpu_slots=cpu, slots_per_request=4, max_requests=2),
+    }[kind]
+    pool = Pool(PoolConfig(entry=EntrySpec(bytes_per_layer=width), num_layers=layers, layout=layout))
+    report = pool.memory()
+    assert isinstance(report, MemoryReport) and report.gpu_meta > 0 and report.gpu_index == 0
+    if kind == "offload":  # two buffers of 4 slots and a dummy each, one shared dummy; the history
+        assert report.gpu_rows == 0 and report.gpu_buffers == layers * (2 * 5 + 1) * width
+        assert report.cpu_rows == layers * (cpu + 1) * width and report.cpu_staging == 0  # and a dummy
+    else:
+        assert report.gpu_rows == layers * (gpu + 1) * width and report.gpu_buffers == 0
+        staging = tiered.cpu_staging
+        assert report.cpu_staging == layers * staging * width > 0
+        assert report.cpu_rows == layers * (cpu + 1) * width  # the tier and its dummy row
+    assert report.gpu == report.gpu_rows + report.gpu_buffers + report.gpu_index + report.gpu_meta
+    assert (report + report).cpu == 2 * report.cpu

@@ -12,7 +12,7 @@ from .errors import (
     UlakvError,
 )
 from .kernels.compact import compact_slots
-from .pool import NewRows, Pool, Selection
+from .pool import MemoryReport, NewRows, Pool, Selection
 
 __all__ = [
     "PBLRU",
@@ -25,6 +25,7 @@ __all__ = [
     "InvalidAddressError",
     "InvalidInputError",
     "InvariantError",
+    "MemoryReport",
     "NewRows",
     "Pool",
     "PoolConfig",

@@ -58,8 +58,7 @@ import torch
 
 from .config import PBLRU, CPUOffloadBaseline, EntrySpec, PoolConfig, Replicated, Striped, Tiered
 from .errors import CapacityError
-from .layouts.offload import OffloadPool
-from .layouts.striped import StripedPool
+from .frame import MemoryReport
 from .pool import Pool
 
 GB = 10**9
@@ -375,65 +374,10 @@ class Scenario:
 # -- measuring pools ----------------------------------------------------------------------------
 
 
-@dataclass
-class Bytes:
-    """Bytes a system holds on one GPU and in its CPU budget, by what they are for."""
-
-    gpu_rows: int = 0  # latent KV homes (or, replicated, this rank's full copy)
-    gpu_buffers: int = 0  # working copies: a striped rank's buffer, per-request GPU buffers
-    gpu_index: int = 0  # index-key rows
-    gpu_meta: int = 0  # mapping tables, policy state, free stacks, call scratch
-    cpu_rows: int = 0  # latent homes (or the full history copy) in CPU memory
-    cpu_staging: int = 0  # spare CPU rows a swap's victims go to before their slots are reused
-
-    def __add__(self, other: Bytes) -> Bytes:
-        return Bytes(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
-
-    @property
-    def gpu(self) -> int:
-        return self.gpu_rows + self.gpu_buffers + self.gpu_index + self.gpu_meta
-
-    @property
-    def cpu(self) -> int:
-        return self.cpu_rows + self.cpu_staging
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
-def _tiered_bytes(pool) -> Bytes:
-    """A tiered pool's (or a replica's) rows, staging rows and everything else it keeps."""
-    st, lay = pool._state, pool._storage.layout
-    row = st.cpu_data.shape[0] * st.cpu_data.shape[2]  # every layer of one CPU row
-    meta = sum(_nbytes(t) for k, t in st.tensors().items() if k not in ("gpu_data", "cpu_data"))
-    staging = lay.cpu_staging * row
-    return Bytes(
-        gpu_rows=_nbytes(st.gpu_data),
-        gpu_meta=meta + pool._layout.call_bytes(),
-        cpu_rows=_nbytes(st.cpu_data) - staging,
-        cpu_staging=staging,
-    )
-
-
-def pool_bytes(pool, index: bool = False) -> Bytes:
-    """What ``pool``'s tensors take (a meta pool's are measured without being allocated); an
-    index-key pool's rows count as ``gpu_index``."""
-    if isinstance(pool, StripedPool):
-        b = _tiered_bytes(pool.inner)  # its GPU rows are the first rows of the rank's buffer tensor
-        b.gpu_meta += _nbytes(pool._live) + _nbytes(pool._ctl) + _nbytes(pool._bytes_needed)
-        b.gpu_meta += sum(_nbytes(t) for t in pool._census_state.tensors().values())  # 4 B an address
-        if pool._buffer is not None:  # fetch mode: the buffer, its state, and the fetch's all-gather
-            buffer_meta = sum(_nbytes(t) for k, t in pool._buffer.tensors().items() if k != "gpu_data")
-            b.gpu_buffers = _nbytes(pool._rows) - b.gpu_rows
-            exchange = sum(_nbytes(t) for t in pool._exchange.tensors().values())  # rows and scratch
-            b.gpu_meta += buffer_meta + pool._buffer_layout.call_bytes() + exchange
-    elif isinstance(pool, OffloadPool):
-        meta = sum(_nbytes(t) for s in pool._buffers for k, t in s.state.tensors().items() if k != "gpu_data")
-        meta += _nbytes(pool._history_map) + _nbytes(pool._request_of)
-        b = Bytes(gpu_buffers=_nbytes(pool._rows), gpu_meta=meta, cpu_rows=_nbytes(pool._history))
-    else:
-        b = _tiered_bytes(pool)
+def pool_bytes(pool, index: bool = False) -> MemoryReport:
+    """What ``pool``'s tensors take (``memory()``; a meta pool's are measured without being
+    allocated); an index-key pool's rows count as ``gpu_index``."""
+    b = pool.memory()
     if index:  # index keys are scored where they live: all their rows are index rows
         b.gpu_index, b.gpu_rows, b.gpu_buffers = b.gpu_rows + b.gpu_buffers, 0, 0
     return b
@@ -441,15 +385,7 @@ def pool_bytes(pool, index: bool = False) -> Bytes:
 
 def _reserve(pool, elements: int) -> None:
     """Size a pool's call scratch for one step's selection, as a serving loop would."""
-    if elements <= 0:
-        return
-    if isinstance(pool, StripedPool):
-        pool.inner.reserve_scratch(elements)
-        pool._census_state.local_for(elements)
-        if pool._buffer is not None:
-            pool._buffer_layout.reserve(elements)
-            pool._exchange.buffer_slots_for(elements)
-    else:
+    if elements > 0:
         pool.reserve_scratch(elements)
 
 
@@ -507,7 +443,7 @@ class SystemPlan:
     system: str
     admitted: int
     per_rank: list[int]
-    bytes_per_gpu: Bytes
+    bytes_per_gpu: MemoryReport
     pools: list[str]
     limit: str  # what stopped one more request
     held: int = 0  # distinct tokens its latent pools admit, all ranks together
@@ -533,7 +469,7 @@ class _Fit(NamedTuple):
     """One system's pools for a batch: whether it fits, what they take, and why not more."""
 
     ok: bool
-    bytes: Bytes
+    bytes: MemoryReport
     pools: list[str]
     limit: str
     layout: object = None  # the latent pool's layout (None when none was built)
@@ -648,9 +584,9 @@ class _Planner:
             index = keys if keys is not None else Pool(self.index_config(layout))
             return layout, Pool(self.latent_config(layout)), index
 
-        def charged(latent, index) -> Bytes:  # the baseline's rows only, which flatters it
+        def charged(latent, index) -> MemoryReport:  # the baseline's rows only, which flatters it
             index_rows = pool_bytes(index, index=True).gpu_index
-            return Bytes(gpu_rows=pool_bytes(latent).gpu_rows, gpu_index=index_rows)
+            return MemoryReport(gpu_rows=pool_bytes(latent).gpu_rows, gpu_index=index_rows)
 
         slots = _fit_slots(build, self.sc.kv_budget(), lambda built: charged(*built[1:]).gpu)
         if slots < 1:
@@ -659,7 +595,7 @@ class _Planner:
                 if keys is None
                 else "GPU memory (the index keys of every token on every rank)"
             )
-            return _Fit(False, Bytes(), [], why)
+            return _Fit(False, MemoryReport(), [], why)
         layout, latent, index = build(slots)
         if keys is None:
             pools, limit = [f"latent: {layout}", "index keys: the same slots"], f"GPU KV memory{where}"
@@ -674,7 +610,7 @@ class _Planner:
 
         sc = self.sc
         if self.union > sc.slots_per_request:
-            return _Fit(False, Bytes(), [], f"a step selects {self.union} entries, above the quota")
+            return _Fit(False, MemoryReport(), [], f"a step selects {self.union} entries, above the quota")
         history = sc.hardware.cpu_bytes // self.latent_row - 1  # one spare zero row
         lay = CPUOffloadBaseline(cpu_slots=history, slots_per_request=sc.slots_per_request, max_requests=n)
         latent = Pool(self.latent_config(lay))
@@ -682,7 +618,7 @@ class _Planner:
         index_slots = sum(lengths)
         index = Pool(self.index_config(Tiered(gpu_slots=index_slots)))
         b = pool_bytes(latent) + pool_bytes(index, index=True)
-        charged = Bytes(gpu_buffers=b.gpu_buffers, gpu_index=b.gpu_index, cpu_rows=b.cpu_rows)
+        charged = MemoryReport(gpu_buffers=b.gpu_buffers, gpu_index=b.gpu_index, cpu_rows=b.cpu_rows)
         pools = [f"latent: {lay}", f"index keys: GPU only, {index_slots} slots"]
         if charged.gpu > sc.kv_budget():
             return _Fit(False, charged, pools, "GPU memory (per-request buffers and index keys)", lay)
@@ -777,7 +713,7 @@ class _Planner:
         candidates = (world - 1) * positions * m.topk * 8
         return attention / 1e6, candidates / 1e6
 
-    def _striped_pays(self, layout: Striped, n: int, b: Bytes) -> str:
+    def _striped_pays(self, layout: Striped, n: int, b: MemoryReport) -> str:
         world = layout.world
         attention, candidates = self._merge_mb(n)
         merge = f"top-k merge of the indexer ({candidates:.0f} MB of candidates a rank and indexer layer)"
@@ -795,7 +731,7 @@ class _Planner:
             f"{layout.fetch_width} rows from every rank ({wire / 1e6:.0f} MB a rank, fixed size); a {merge}"
         )
 
-    def pays(self, system: str, layout, n: int, b: Bytes) -> str:
+    def pays(self, system: str, layout, n: int, b: MemoryReport) -> str:
         """What ``system`` pays, in words, at a batch of ``n`` (its bytes ``b``)."""
         sc = self.sc
         base = self.same_as(system)
@@ -853,7 +789,7 @@ class _Planner:
 
     def run(self, system: str) -> SystemPlan:
         per_rank, first, why, held = self._search(self.same_as(system))
-        b = first.bytes if per_rank[0] else Bytes()
+        b = first.bytes if per_rank[0] else MemoryReport()
         pays = self.pays(system, first.layout, per_rank[0], b)
         return SystemPlan(system, sum(per_rank), per_rank, b, first.pools, why, held, pays)
 

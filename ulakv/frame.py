@@ -81,6 +81,35 @@ class Selection:
     slots: torch.Tensor
 
 
+@dataclass
+class MemoryReport:
+    """What a pool's tensors take, in bytes, by what they are for (``PoolFrame.memory``; a ``meta``
+    pool's are measured without being allocated). ``ulakv capacity`` adds these up per system."""
+
+    gpu_rows: int = 0  # latent KV homes (or, replicated, this rank's full copy)
+    gpu_buffers: int = 0  # working copies: a striped rank's buffer, per-request GPU buffers
+    gpu_index: int = 0  # index-key rows (an index-key pool's rows, as ``ulakv capacity`` counts them)
+    gpu_meta: int = 0  # mapping tables, policy state, free stacks, call scratch
+    cpu_rows: int = 0  # homes (or the full history copy) in CPU memory
+    cpu_staging: int = 0  # spare CPU rows a swap's victims go to before their slots are reused
+
+    def __add__(self, other: MemoryReport) -> MemoryReport:
+        return MemoryReport(**{k: v + getattr(other, k) for k, v in self.__dict__.items()})
+
+    @property
+    def gpu(self) -> int:
+        return self.gpu_rows + self.gpu_buffers + self.gpu_index + self.gpu_meta
+
+    @property
+    def cpu(self) -> int:
+        return self.cpu_rows + self.cpu_staging
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """A tensor's bytes (a ``meta`` tensor's too)."""
+    return t.numel() * t.element_size()
+
+
 def same_device(t: torch.Tensor, device: torch.device) -> bool:
     if t.device.type != device.type:
         return False
@@ -93,6 +122,10 @@ class PoolFrame(abc.ABC):
     _allocator: LogicalAllocator
     _id: int
     _debug: bool = False
+
+    @abc.abstractmethod
+    def memory(self) -> MemoryReport:
+        """What this pool's tensors take (this rank's, for a striped pool), by purpose."""
 
     @abc.abstractmethod
     def check_invariants(self) -> None:

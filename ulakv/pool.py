@@ -11,12 +11,12 @@ import abc
 
 from .config import CPUOffloadBaseline, LayoutConfig, PoolConfig, Replicated, Striped, Tiered
 from .errors import InvalidInputError
-from .frame import NewRows, PoolFrame, Selection
+from .frame import MemoryReport, NewRows, PoolFrame, Selection
 from .layouts.offload import OffloadPool
 from .layouts.striped import StripedPool
 from .layouts.tiered import TieredPool
 
-__all__ = ["POOL_KINDS", "NewRows", "Pool", "Selection"]
+__all__ = ["POOL_KINDS", "MemoryReport", "NewRows", "Pool", "Selection"]
 
 #: The pool class of each layout: a Replicated pool is one GPU-only tiered replica counted world
 #: times; a Striped config builds this rank's part; the CPU-offload baseline is its own kind.

@@ -29,7 +29,7 @@ from .. import host_memory
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
 from ..config import CPUOffloadBaseline, ExactLRU, PoolConfig, Tiered
 from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError
-from ..frame import PoolFrame, Selection, debug_enabled
+from ..frame import MemoryReport, PoolFrame, Selection, debug_enabled, nbytes
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import gather as gather_mod
@@ -296,6 +296,13 @@ class OffloadPool(PoolFrame):
         flat = addrs.reshape(-1).to(torch.int64).to(self.device)
         self._check_live("read", flat)
         return self._history[layer][flat.to(self._history.device)].to(self.device)
+
+    def memory(self) -> MemoryReport:
+        """The per-request GPU buffers (copies), their states, the history's mapping, and the full
+        history on the CPU."""
+        meta = sum(nbytes(t) for s in self._buffers for k, t in s.state.tensors().items() if k != "gpu_data")
+        meta += nbytes(self._history_map) + nbytes(self._request_of)
+        return MemoryReport(gpu_buffers=nbytes(self._rows), gpu_meta=meta, cpu_rows=nbytes(self._history))
 
     def stats(self) -> dict[str, int]:
         """Counters summed over the request buffers; ``bytes_out`` is the eager backup of writes.

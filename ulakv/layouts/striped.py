@@ -37,7 +37,7 @@ from ..address_space import FREE, UNHOMED, LogicalAllocator, Sequence, addresses
 from ..config import PoolConfig, Striped, Tiered
 from ..deferred import DeferredStatus
 from ..errors import CollectiveError, InvalidAddressError, InvalidInputError, InvariantError, UlakvError
-from ..frame import NewRows, PoolFrame, Selection, debug_enabled, refusal, validates
+from ..frame import MemoryReport, NewRows, PoolFrame, Selection, debug_enabled, nbytes, refusal, validates
 from ..invariants import check_invariants
 from ..kernels import common as K
 from ..kernels import engine_addresses as engine_mod
@@ -370,10 +370,14 @@ class StripedPool(PoolFrame):
         return 1
 
     def reserve_scratch(self, elements: int) -> None:
-        """Size the census's local addresses and the slice's per-call scratch for selections of up
-        to ``elements`` now, and keep them (for CUDA-graph capture)."""
+        """Size the census's local addresses and the slice's per-call scratch (in fetch mode the
+        buffer's and the all-gather's too) for selections of up to ``elements`` now, and keep them
+        (for CUDA-graph capture)."""
         self.inner.reserve_scratch(elements)
         self._census_state.local_for(elements)
+        if self._buffer is not None:
+            self._buffer_layout.reserve(elements)
+            self._exchange.buffer_slots_for(elements)
 
     def plan(
         self,
@@ -501,6 +505,20 @@ class StripedPool(PoolFrame):
         words = out.view(torch.int32) if out.shape[1] % 4 == 0 else out.to(torch.int32)
         self._collective("read", dist.all_reduce, words)  # one rank holds each row; the others add zeros
         return words.view(torch.uint8) if out.shape[1] % 4 == 0 else words.to(torch.uint8)
+
+    def memory(self) -> MemoryReport:
+        """This rank's: its slice (rows, CPU tier, state), the liveness flags, control words and
+        census (4 B an address), and in fetch mode the buffer's rows and state and the fetch's
+        all-gather scratch."""
+        b = self.inner.memory()  # its GPU rows are the first rows of the rank's row tensor
+        b.gpu_meta += nbytes(self._live) + nbytes(self._ctl) + nbytes(self._bytes_needed)
+        b.gpu_meta += sum(nbytes(t) for t in self._census_state.tensors().values())
+        if self._buffer is not None:
+            buffer_meta = sum(nbytes(t) for k, t in self._buffer.tensors().items() if k != "gpu_data")
+            b.gpu_buffers = nbytes(self._rows) - b.gpu_rows
+            exchange = sum(nbytes(t) for t in self._exchange.tensors().values())  # rows and scratch
+            b.gpu_meta += buffer_meta + self._buffer_layout.call_bytes() + exchange
+        return b
 
     def stats(self) -> dict[str, int]:
         """This rank's counters (synchronises, and raises a refusal not raised yet): its slice

@@ -18,7 +18,7 @@ from ..address_space import UNHOMED, EngineAddresses, LogicalAllocator, Sequence
 from ..config import PoolConfig, Replicated
 from ..deferred import DeferredStatus
 from ..errors import InvalidAddressError, InvalidInputError, InvariantError, UlakvError
-from ..frame import NewRows, PoolFrame, Selection, debug_enabled, refusal, validates
+from ..frame import MemoryReport, NewRows, PoolFrame, Selection, debug_enabled, nbytes, refusal, validates
 from ..invariants import PlanSnapshot, check_invariants, check_plan, snapshot_plan
 from ..kernels import common as K
 from ..kernels import engine_addresses as engine_mod
@@ -403,6 +403,20 @@ class TieredPool(PoolFrame):
         self._check_live("residency", addrs)
         home = self._state.mapping[group, addrs]
         return torch.where((home >= 0) & (home < self._state.gpu_slots), home, -1)
+
+    def memory(self) -> MemoryReport:
+        """Rows (every layer's), the CPU tier's staging rows apart, and everything else kept:
+        mapping, policy state, free stacks, call scratch."""
+        st = self._state
+        row = st.cpu_data.shape[0] * st.cpu_data.shape[2]  # every layer of one CPU row
+        meta = sum(nbytes(t) for k, t in st.tensors().items() if k not in ("gpu_data", "cpu_data"))
+        staging = self._storage.layout.cpu_staging * row
+        return MemoryReport(
+            gpu_rows=nbytes(st.gpu_data),
+            gpu_meta=meta + self._layout.call_bytes(),
+            cpu_rows=nbytes(st.cpu_data) - staging,
+            cpu_staging=staging,
+        )
 
     def stats(self) -> dict[str, int]:
         """Counters (cumulative) and occupancy; synchronises, and raises a deferred error."""
