@@ -445,7 +445,7 @@ def test_tight_traffic_pops_copies_and_loses_nothing(policy) -> None:
     lost: set[tuple[int, int]] = set()  # (group, address) on the GPU whose copy a pop ended
     groups = range(pool.num_groups)
     for _ in range(30):
-        live = [x for s in seqs for x in s._addresses]
+        live = [x for s in seqs for x in s.address_list]
         before = {g: copies(pool, g) for g in groups}
         gpu_before = {g: split(pool, g, live)[0] if live else [] for g in groups}
         s0 = pool.stats()
@@ -453,13 +453,13 @@ def test_tight_traffic_pops_copies_and_loses_nothing(policy) -> None:
         if (op < 0.2 or len(live) < 7) and pool.free_addresses:  # kept nearly full
             seq = pool.admit(rng.randint(1, min(3, pool.free_addresses)))
             seqs.append(seq)
-            fill(pool, model, seq._addresses, seed=rng.randrange(1000))  # may evict
-            picked = set(seq._addresses)
+            fill(pool, model, seq.address_list, seed=rng.randrange(1000))  # may evict
+            picked = set(seq.address_list)
         elif op < 0.28 and len(seqs) > 1:
             seq = seqs.pop(rng.randrange(len(seqs)))
             pool.release(seq)
-            model.forget(seq._addresses)
-            picked = set(seq._addresses)
+            model.forget(seq.address_list)
+            picked = set(seq.address_list)
             lost = {(g, x) for g, x in lost if x not in picked}
             gpu_before = {g: [x for x in gpu_before[g] if x not in picked] for g in groups}
         else:
@@ -486,7 +486,7 @@ def test_tight_traffic_pops_copies_and_loses_nothing(policy) -> None:
             assert r + pool._state.gpu_slots in homes(pool, g).values(), f"copy row {r} of {x} ended unused"
             ended += 1
             lost.add((g, x))
-        assert_reads(pool, model, [x for s in seqs for x in s._addresses])
+        assert_reads(pool, model, [x for s in seqs for x in s.address_list])
         pool.check_invariants()
     assert ended > 0, "no pop reached a copy: the pool is not tight"
     assert dirty_without_copy > 0, "no entry was evicted after its copy was taken"
@@ -502,10 +502,10 @@ def test_describe_names_the_row_every_victim_lands_in(policy) -> None:
     model, rng, seqs = RowModel(5), random.Random(2), []
     G, seen = pool._state.gpu_slots, {"fills": 0, "own_pop": 0, "below_the_pops": 0, "dirty": 0}
     for _ in range(40):
-        live = [x for s in seqs for x in s._addresses]
+        live = [x for s in seqs for x in s.address_list]
         if (rng.random() < 0.2 or len(live) < 7) and pool.free_addresses:
             seqs.append(pool.admit(rng.randint(1, min(3, pool.free_addresses))))
-            fill(pool, model, seqs[-1]._addresses, seed=rng.randrange(1000))
+            fill(pool, model, seqs[-1].address_list, seed=rng.randrange(1000))
             continue
         group = rng.randrange(pool.num_groups)
         gpu, cpu = split(pool, group, live)
@@ -531,7 +531,7 @@ def test_describe_names_the_row_every_victim_lands_in(policy) -> None:
         seen["own_pop"] += int((popped & (moves["victim_row"] == moves["cpu_row"])).sum())  # popped,
         seen["below_the_pops"] += int((popped & (moves["victim_row"] != moves["cpu_row"])).sum())  # or deeper
         seen["dirty"] += int((evicted & ~clean).sum())
-        assert_reads(pool, model, [x for s in seqs for x in s._addresses])
+        assert_reads(pool, model, [x for s in seqs for x in s.address_list])
     assert min(seen.values()) > 0, seen
 
 
@@ -630,7 +630,7 @@ def test_stages_match_reference_with_clean_evictions(
     seqs, rewrote_copies = [], 0
     for _ in range(24):
         op = rng.choices(["admit", "release", "rewrite", "prepare"], [2, 1, 2, 5])[0]
-        live = [a for s in seqs for a in s._addresses]
+        live = [a for s in seqs for a in s.address_list]
         if (op == "admit" or len(live) < gpu + 2) and pool.free_addresses:
             seq = pool.admit(rng.randint(1, min(3, pool.free_addresses)))
             seqs.append(seq)
@@ -745,7 +745,7 @@ def test_pool_follows_the_cpu_tier_model_row_for_row(policy, write_copies) -> No
         stats = pool.stats()
         assert stats["clean_evictions"] == tier.clean_evictions, where + "clean evictions"
         assert stats["bytes_out"] == bytes_out, where + "bytes out"
-        live = [a for s in seqs for a in s._addresses]
+        live = [a for s in seqs for a in s.address_list]
         on_cpu = {a: h - G for a, h in homes(pool, 0).items() if h >= G}
         assert on_cpu == tier.home, where + "CPU homes"
         assert set(split(pool, 0, live)[0]) == order.residents(), where + "GPU residents"
@@ -754,17 +754,17 @@ def test_pool_follows_the_cpu_tier_model_row_for_row(policy, write_copies) -> No
 
     clean_seen = ended_seen = rewrote_copies = releases = 0
     for step in range(36):
-        live = [a for s in seqs for a in s._addresses]
+        live = [a for s in seqs for a in s.address_list]
         op = rng.choices(["admit", "release", "rewrite", "prepare"], [2, 1, 2, 5])[0]
         if (op == "admit" or len(live) < 7) and pool.free_addresses:
             seq = pool.admit(rng.randint(1, min(3, pool.free_addresses)))
             seqs.append(seq)
-            write(seq._addresses, set(seq._addresses))
+            write(seq.address_list, set(seq.address_list))
         elif op == "release" and len(seqs) > 1:  # never the last: an empty pool resets
             seq = seqs.pop(rng.randrange(len(seqs)))
             pool.release(seq)
-            order.release(seq._addresses)
-            tier.release(seq._addresses)
+            order.release(seq.address_list)
+            tier.release(seq.address_list)
             releases += 1
         elif op == "rewrite":  # of an entry with a copy where there is one
             held = list(copies(pool, 0))

@@ -92,7 +92,7 @@ def _serve(policy, width: int, on_step) -> None:
         for group in range(pool.num_groups):  # a decode step: every group's selection, split as on a GPU
             for b, seq in enumerate(live):
                 for q in range(QUERIES):
-                    picks = rng.sample(seq._addresses, min(TOP_K, len(seq)))
+                    picks = rng.sample(seq.address_list, min(TOP_K, len(seq)))
                     topk[group, b, q] = torch.tensor(picks + [-1] * (TOP_K - len(picks)))
             kv.prepare(group, topk[group, :batch])
         new = torch.cat([pool.extend(seq, 1) for seq in live])  # the step's token, every layer

@@ -17,6 +17,8 @@
 - Every relative markdown link in README.md and ``docs/*.md`` resolves to a file inside the
   repository (and an ``#anchor`` to a heading of it); no text in README.md, docs/, ulakv/ or
   benchmarks/ points outside the repository.
+- No module of the package reads another module's private attributes (``obj._name``, ``obj`` not
+  ``self``/``cls``/``super()``, ``_name`` defined only by other modules' classes).
 - The package imports none of the repository's developer tools (``tools/``): ``import ulakv`` and
   the SGLang plugin load none of them.
 """
@@ -613,3 +615,72 @@ def test_the_tool_import_check_finds_a_planted_import(tmp_path: Path) -> None:
     )
     (package / "fine.py").write_text("import toolz\nfrom .tools import x\n")
     assert tool_imports(package) == ["ulakv/kernels/spy.py:2"]
+
+
+# -- no module reads another module's private attributes ------------------------------------------------
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_reads(package: Path) -> list[str]:
+    """Every ``obj._name`` in a module of ``package`` where ``obj`` is not ``self``, ``cls`` or
+    ``super()`` and ``_name`` is a private attribute or method that classes of *other* modules of the
+    package define (a method, a class-level name, or ``self._name = ...``) and this module does not:
+    ``module:line: expression``. Another library's privates (``torch._C``) are not the package's."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted(package.rglob("*.py"))}
+    defined: dict[str, set[Path]] = {}
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.append(item.name)
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        names.append(item.target.id)
+                    elif isinstance(item, ast.Assign):
+                        names += [t.id for t in item.targets if isinstance(t, ast.Name)]
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                names.append(node.attr)
+            for name in names:
+                if _private(name):
+                    defined.setdefault(name, set()).add(path)
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not _private(node.attr):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            if path not in defined.get(node.attr, {path}):
+                rel = path.relative_to(package.parent).as_posix()
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reads_another_modules_private_attributes() -> None:
+    """The package's own modules talk through public names (``Pool.memory()``, ``Sequence.runs``,
+    ``layouts.tiered.take_exact`` and the other slice functions, ``transfer.interrupt_of``)."""
+    assert private_reads(ROOT / "ulakv") == []
+
+
+def test_the_private_read_check_finds_a_planted_read(tmp_path: Path) -> None:
+    package = tmp_path / "ulakv"
+    package.mkdir()
+    (package / "owner.py").write_text(
+        "class Pool:\n    def __init__(self):\n        self._state = 1\n\n"
+        "    def peek(self, other):\n        return other._state + self._state\n"  # same module: fine
+    )
+    (package / "reader.py").write_text(
+        "import torch\n\n\ndef bytes_of(pool):\n    torch._C  # another library's: not ours\n"
+        "    return pool._state\n"
+    )
+    assert private_reads(package) == ["ulakv/reader.py:6: pool._state"]

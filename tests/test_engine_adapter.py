@@ -65,7 +65,7 @@ def fill(pool: Pool, kv: SparseKV, requests: int, tokens: int, seed: int = 0):
 def selection(rng: random.Random, seqs, batch: int, queries: int, k: int) -> torch.Tensor:
     rows = []
     for b in range(batch):
-        addrs = seqs[b % len(seqs)]._addresses
+        addrs = seqs[b % len(seqs)].address_list
         base = rng.sample(addrs, min(k, len(addrs)))
         qs = []
         for _ in range(queries):  # overlapping speculative selections, some padding

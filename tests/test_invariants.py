@@ -77,14 +77,14 @@ def drive(pool, steps: int, k: int, requests: int, seed: int) -> int:
         while len(live) < requests and pool.free_addresses >= 6 * k:
             seq = pool.admit(rng.randint(2 * k, 5 * k))
             write_all(pool, seq.addresses, gen)
-            live.append((seq, rng.sample(seq._addresses, k // 4)))
+            live.append((seq, rng.sample(seq.address_list, k // 4)))
         if step % 6 == 5:
             seq, _ = live.pop(rng.randrange(len(live)))
             pool.release(seq)
         for seq, _ in live:
             write_all(pool, pool.extend(seq, 1), gen)
         for group in range(pool.num_groups):
-            rows = [pick(rng, seq._addresses, hot, k) for seq, hot in live]
+            rows = [pick(rng, seq.address_list, hot, k) for seq, hot in live]
             topk = torch.tensor(rows)
             if step % 4 == 3:  # two speculative queries that share most picks
                 second = [[a if rng.random() < 0.7 else -1 for a in row] for row in rows]
@@ -295,7 +295,7 @@ def scenario(policy) -> tuple[object, list[int]]:
     seqs = [pool.admit(60) for _ in range(4)]
     for seq in seqs:
         write_all(pool, seq.addresses, gen)
-    every = [a for seq in seqs for a in seq._addresses]
+    every = [a for seq in seqs for a in seq.address_list]
     last: list[int] = []
     for _ in range(6):
         last = rng.sample(last, len(last) // 2) + rng.sample([a for a in every if a not in last], 40)

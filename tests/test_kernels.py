@@ -112,7 +112,7 @@ def test_stages_match_reference_under_random_traffic(gpu, cpu, width, layers, pe
     seqs = []
     for _ in range(16):
         op = rng.random()
-        live = [a for s in seqs for a in s._addresses]
+        live = [a for s in seqs for a in s.address_list]
         if (op < 0.35 or not live) and pool.free_addresses:
             seq = pool.admit(rng.randint(1, min(4, pool.free_addresses)))
             seqs.append(seq)
@@ -142,7 +142,7 @@ def test_failed_call_stages_match_reference() -> None:
     seq = pool.admit(3)
     pool.release(seq)
     keep = pool.admit(2)
-    run_stagewise(pool, 0, torch.tensor([keep._addresses[0], 4, 40, -1]))
+    run_stagewise(pool, 0, torch.tensor([keep.address_list[0], 4, 40, -1]))
     assert int(pool._state.ctl[int(K.E_PENDING)]) & int(K.ST_BAD_ADDRESS)
 
 

@@ -33,7 +33,7 @@ def test_exact_lru_matches_libcachesim_lru(seed, gpu, objects) -> None:
     pool = small_pool(gpu_slots=gpu, cpu_slots=objects, bytes_per_layer=4, num_layers=1, layers_per_group=1)
     seq = pool.admit(objects)
     pool.write(0, seq.addresses, torch.zeros((objects, 4), dtype=torch.uint8))
-    addrs = seq._addresses
+    addrs = seq.address_list
     oracle = lcs.LRU(cache_size=gpu)
     for a in addrs[:gpu]:  # the write homed the first `gpu` tokens on the GPU, in this order
         oracle.get(lcs_request(a))

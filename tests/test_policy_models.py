@@ -38,7 +38,7 @@ def test_pool_matches_policy_model(seed, gpu, cpu, per_group, policy, model) -> 
     seqs: list = []
     homed: set[tuple[int, int]] = set()  # (group, address) with a home
     for _ in range(30):
-        live = [a for s in seqs for a in s._addresses]
+        live = [a for s in seqs for a in s.address_list]
         op = rng.random()
         if op < 0.25 and pool.free_addresses:
             seq = pool.admit(rng.randint(1, min(5, pool.free_addresses)))
@@ -46,11 +46,11 @@ def test_pool_matches_policy_model(seed, gpu, cpu, per_group, policy, model) -> 
             for layer in range(2):
                 group = pool.config.group_of(layer)
                 before = gpu_resident(pool, group, live)
-                new = {a for a in seq._addresses if (group, a) not in homed}
-                on_gpu, victims = models[group].write(seq._addresses, new)
+                new = {a for a in seq.address_list if (group, a) not in homed}
+                on_gpu, victims = models[group].write(seq.address_list, new)
                 pool.write(layer, seq.addresses, random_rows(gen, len(seq), 4))
-                homed |= {(group, a) for a in seq._addresses}
-                after = gpu_resident(pool, group, live + seq._addresses)
+                homed |= {(group, a) for a in seq.address_list}
+                after = gpu_resident(pool, group, live + seq.address_list)
                 assert before - after == set(victims)
                 assert after == set(models[group].order)
                 assert set(on_gpu) <= after
@@ -58,8 +58,8 @@ def test_pool_matches_policy_model(seed, gpu, cpu, per_group, policy, model) -> 
             seq = seqs.pop(rng.randrange(len(seqs)))
             pool.release(seq)
             for group, model in enumerate(models):
-                model.release(seq._addresses)
-                homed -= {(group, a) for a in seq._addresses}
+                model.release(seq.address_list)
+                homed -= {(group, a) for a in seq.address_list}
         elif live:
             group = rng.randrange(pool.num_groups)
             # Locality: a recent window plus a few far positions; 3 query positions overlap.

@@ -56,14 +56,14 @@ def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int, atten
     seqs, checked = [], 0
     for step in range(20):
         op = rng.random()
-        live = [a for s in seqs for a in s._addresses]
+        live = [a for s in seqs for a in s.address_list]
         if (op < 0.3 or not live) and pool.free_addresses >= 6:
             seq = pool.admit(rng.randint(1, 6))
             seqs.append(seq)
             for layer in range(3):
-                rows = torch.stack([row_of(a, layer, step) for a in seq._addresses])
+                rows = torch.stack([row_of(a, layer, step) for a in seq.address_list])
                 pool.write(layer, seq.addresses, rows)
-                expected.update({(layer, a): r for a, r in zip(seq._addresses, rows, strict=True)})
+                expected.update({(layer, a): r for a, r in zip(seq.address_list, rows, strict=True)})
         elif op < 0.4 and seqs:
             seq = seqs.pop(rng.randrange(len(seqs)))
             pool.release(seq)
@@ -92,7 +92,7 @@ def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int, atten
                         checked += 1
         pool.check_invariants()
     stats = pool.stats()
-    live = [a for s in seqs for a in s._addresses]
+    live = [a for s in seqs for a in s.address_list]
     if live:
         for layer in range(3):
             got = pool.read(layer, torch.tensor(live))
@@ -102,7 +102,7 @@ def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int, atten
     with pytest.raises(CapacityError):
         pool.admit(1)
     for layer in range(3):
-        pool.write(layer, rest.addresses, torch.stack([row_of(a, layer, 0) for a in rest._addresses]))
+        pool.write(layer, rest.addresses, torch.stack([row_of(a, layer, 0) for a in rest.address_list]))
     pool.check_invariants()
     full = pool.stats()
     pool.release(rest)
@@ -144,17 +144,17 @@ def _overwrite_buffered(rank: int, world: int) -> int:
     pool = striped_pool(rank, world, 0, ExactLRU())
     seq = pool.admit(8)
     for layer in range(3):
-        pool.write(layer, seq.addresses, torch.stack([row_of(a, layer, 0) for a in seq._addresses]))
+        pool.write(layer, seq.addresses, torch.stack([row_of(a, layer, 0) for a in seq.address_list]))
     sel = seq.addresses.view(1, 8)
     pool.prepare(0, sel)  # every entry now in every rank's buffer (remote ones fetched)
-    new = torch.stack([row_of(a, 1, 7) for a in seq._addresses])
+    new = torch.stack([row_of(a, 1, 7) for a in seq.address_list])
     pool.write(1, seq.addresses, new)
     before = pool.stats()["misses"]
     slots = pool.prepare(0, sel).slots.flatten()
     assert pool.stats()["misses"] == before  # all hits: nothing fetched again
     assert torch.equal(pool.gpu_buffer(1)[slots.long()], new)
     assert torch.equal(
-        pool.gpu_buffer(0)[slots.long()], torch.stack([row_of(a, 0, 0) for a in seq._addresses])
+        pool.gpu_buffer(0)[slots.long()], torch.stack([row_of(a, 0, 0) for a in seq.address_list])
     )
     return int(slots.max())
 
@@ -176,7 +176,7 @@ def _per_home_bound(rank: int, world: int) -> int:
         )
     )
     seq = pool.admit(20)
-    rows = torch.stack([row_of(a, 0, 0) for a in seq._addresses])
+    rows = torch.stack([row_of(a, 0, 0) for a in seq.address_list])
     pool.write(0, seq.addresses, rows)
     spread = seq.addresses[:8].view(1, 8)  # 4 homed on each rank: 8 > 4 distinct, accepted
     slots = pool.prepare(0, spread).slots.flatten()
@@ -206,7 +206,7 @@ def _one_rank_stalls(rank: int, world: int) -> float | None:
         )
     )
     seq = pool.admit(6)
-    pool.write(0, seq.addresses, torch.stack([row_of(a, 0, 0) for a in seq._addresses]))
+    pool.write(0, seq.addresses, torch.stack([row_of(a, 0, 0) for a in seq.address_list]))
     if rank == 1:
         time.sleep(6.0)  # stalled: never reaches the collective
         return None
@@ -224,7 +224,7 @@ def _bad_input_everywhere(rank: int, world: int) -> int:
     change nothing: the pool works on afterwards."""
     pool = striped_pool(rank, world, 0, ExactLRU())
     seq = pool.admit(6)
-    rows = torch.stack([row_of(a, 0, 0) for a in seq._addresses])
+    rows = torch.stack([row_of(a, 0, 0) for a in seq.address_list])
     pool.write(0, seq.addresses, rows)
     dup = seq.addresses[[0, 1, 0]]
     refused = 0

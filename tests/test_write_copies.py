@@ -152,23 +152,23 @@ def test_copies_never_take_rows_that_hold_other_copies(policy) -> None:
     pool = tiered(policy, gpu=4, cpu=6, staging=2)
     model = RowModel(12)
     first = pool.admit(3)
-    fill(pool, model, first._addresses, seed=1)
-    assert plain_rows(pool, 1) == 5 and set(copies(pool, 1)) == set(first._addresses)
+    fill(pool, model, first.address_list, seed=1)
+    assert plain_rows(pool, 1) == 5 and set(copies(pool, 1)) == set(first.address_list)
     second = pool.admit(5)
-    fill(pool, model, second._addresses, seed=2)
-    on_gpu = split(pool, 1, second._addresses)[0]
+    fill(pool, model, second.address_list, seed=2)
+    on_gpu = split(pool, 1, second.address_list)[0]
     assert len(on_gpu) == 1 and plain_rows(pool, 1) == 0
     kept = copies(pool, 1)
-    assert set(kept) == {*first._addresses, *on_gpu}
+    assert set(kept) == {*first.address_list, *on_gpu}
     pool.release(first)
-    model.forget(first._addresses)
+    model.forget(first.address_list)
     third = pool.admit(2)
     s0 = pool.stats()
     model.write(pool, 2, third.addresses, random_rows(3, 2, 12))
     assert deltas(s0, pool.stats())["bytes_out"] == 0, "no copy made: no row out"
     assert copies(pool, 1) == {on_gpu[0]: kept[on_gpu[0]]}
     assert plain_rows(pool, 1) == 0
-    assert_reads(pool, model, second._addresses + third._addresses)
+    assert_reads(pool, model, second.address_list + third.address_list)
     pool.check_invariants()
 
 
@@ -186,11 +186,11 @@ def test_a_write_that_evicts_clean_keeps_its_copies_in_the_rows_its_victims_popp
     eviction then moves nothing."""
     pool = tiered(policy, gpu=4, cpu=8, staging=4, write_copies=write_copies)
     model = RowModel(12)
-    a = pool.admit(4)._addresses
+    a = pool.admit(4).address_list
     model.write(pool, 2, addr_tensor(a), random_rows(1, 4, 12))
     assert plain_rows(pool, 1) == (8 if write_copies else 12)
     pool.prepare(1, addr_tensor(a[:1]).view(1, 1))
-    b = pool.admit(3)._addresses
+    b = pool.admit(3).address_list
     held = copies(pool, 1)
     places = {x: free_rows(pool, 1).index(held[x]) for x in a[1:]} if write_copies else {}
     s0 = pool.stats()
@@ -230,8 +230,8 @@ def test_admission_to_full_capacity_takes_the_copies_back(policy, write_copies) 
     addrs = []
     for n, seed in ((3, 1), (4, 2), (3, 3)):
         seq = pool.admit(n)
-        fill(pool, model, seq._addresses, seed=seed)
-        addrs += seq._addresses
+        fill(pool, model, seq.address_list, seed=seed)
+        addrs += seq.address_list
         pool.check_invariants()
     stats = pool.stats()
     assert pool.free_addresses == 0
@@ -301,6 +301,6 @@ def test_a_refused_write_makes_no_copy() -> None:
     seq = pool.admit(3)
     before = pool.state_dict()
     with pytest.raises(InvalidAddressError, match="more than once"):
-        pool.write(2, addr_tensor([seq._addresses[0], seq._addresses[0]]), random_rows(1, 2, 12))
+        pool.write(2, addr_tensor([seq.address_list[0], seq.address_list[0]]), random_rows(1, 2, 12))
     assert_same_state(before, pool.state_dict())
     assert plain_rows(pool, 1) == pool._state.cpu_slots

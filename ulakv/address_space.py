@@ -86,20 +86,28 @@ class Sequence:
         return self._tensor
 
     @property
-    def _addresses(self) -> list[int]:
+    def address_list(self) -> list[int]:
         """The addresses as a host list (tests and small tools)."""
         return [a for r in self._runs for a in r]
 
-    def _append(self, runs: list[range]) -> None:
-        for r in runs:
-            if self._runs and self._runs[-1].stop == r.start:
-                self._runs[-1] = range(self._runs[-1].start, r.stop)
-            else:
-                self._runs.append(r)
-        self._tensor = None
+    @property
+    def runs(self) -> tuple[range, ...]:
+        """The addresses as ascending runs, in position order (what the pool frees)."""
+        return tuple(self._runs)
 
     def __len__(self) -> int:
         return count(self._runs)
+
+
+def grow(seq: Sequence, runs: list[range]) -> None:
+    """Append ``runs`` (addresses the pool has just given ``seq``) to ``seq``, merging a run that
+    continues the last; the pools' side of ``admit`` and ``extend``."""
+    for r in runs:
+        if seq._runs and seq._runs[-1].stop == r.start:
+            seq._runs[-1] = range(seq._runs[-1].start, r.stop)
+        else:
+            seq._runs.append(r)
+    seq._tensor = None
 
 
 class LogicalAllocator:

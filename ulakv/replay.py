@@ -148,7 +148,7 @@ class _PoolTarget:
     def admit(self, key: int, n: int) -> list[int]:
         seq = self.seqs[key] = self.pool.admit(n)
         self._write(seq.addresses)
-        return list(seq._addresses)
+        return list(seq.address_list)
 
     def extend(self, keys: list[int], write: bool = True) -> list[int]:
         new = torch.cat([self.pool.extend(self.seqs[k], 1) for k in keys])

@@ -77,7 +77,7 @@ class PoolPolicy:
         fresh = [a for a in dict.fromkeys(addresses) if a in new and a not in self._to_pool]
         if fresh:
             seq = self.pool.admit(len(fresh))
-            self._to_pool.update(zip(fresh, seq._addresses, strict=True))
+            self._to_pool.update(zip(fresh, seq.address_list, strict=True))
             self._seqs[fresh[0]] = seq
         before = self.residents()
         targets = torch.tensor([self._to_pool[a] for a in addresses], dtype=torch.int64)
@@ -96,7 +96,7 @@ class PoolPolicy:
 
     def release(self, addresses: list[int]) -> None:
         seq = self._seqs.pop(addresses[0])
-        if sorted(self._to_pool[a] for a in addresses) != sorted(seq._addresses):
+        if sorted(self._to_pool[a] for a in addresses) != sorted(seq.address_list):
             raise ValueError("PoolPolicy releases whole admitted batches")
         self.pool.release(seq)
         for a in addresses:

@@ -124,8 +124,17 @@ def interrupt_after(pool, phase: Phase | str) -> Iterator[None]:
     phase = Phase(phase)
     if phase >= Phase.COMMIT:
         raise ValueError("a plan interrupted after its commit is a finished plan")
-    pool._interrupt = phase
+    _INTERRUPTS[id(pool)] = phase
     try:
         yield
     finally:
-        pool._interrupt = None
+        del _INTERRUPTS[id(pool)]
+
+
+#: Pools inside an ``interrupt_after`` block (by ``id``: a block holds its pool alive) -> the phase.
+_INTERRUPTS: dict[int, Phase] = {}
+
+
+def interrupt_of(pool: object) -> Phase | None:
+    """The phase after which ``pool``'s plans stop (``interrupt_after``), if any."""
+    return _INTERRUPTS.get(id(pool))

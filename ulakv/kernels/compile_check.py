@@ -118,7 +118,7 @@ def drive_pool() -> None:
         pool.prepare(
             0, seq.addresses.reshape(1, 6), new=NewRows(0, new, torch.zeros((2, width), dtype=torch.uint8))
         )
-        pool._layout.read(1, seq.addresses)
+        pool.read(1, seq.addresses)
         pool.release(seq)
         # A striped rank's buffer: the same kernels specialised to drop victims and take fetched rows.
         buffer_cfg = cfg.replace(layout=Tiered(gpu_slots=40, cpu_slots=0, policy=policy))

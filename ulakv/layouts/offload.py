@@ -26,7 +26,7 @@ import itertools
 import torch
 
 from .. import host_memory
-from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on
+from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, grow
 from ..config import CPUOffloadBaseline, ExactLRU, PoolConfig, Tiered
 from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError
 from ..frame import MemoryReport, PoolFrame, Selection, debug_enabled, nbytes
@@ -135,7 +135,7 @@ class OffloadPool(PoolFrame):
             r = self._buffer_of[seq.seq_id]
             self._request_of[new] = r
             self._buffers[r].state.mapping[:, new] = UNHOMED
-            seq._append(taken)
+            grow(seq, taken)
         return new
 
     def release(self, seq: Sequence) -> None:
@@ -150,7 +150,7 @@ class OffloadPool(PoolFrame):
             self._homed[:, addrs] = False
             self._history[:, addrs.to(self._history.device)] = 0
         self._buffers[r].state.reset_residency()
-        self._allocator.give_back(seq._runs)
+        self._allocator.give_back(seq.runs)
         del self._seqs[r]
         self._idle.append(r)
         self._idle.sort(reverse=True)
@@ -337,7 +337,7 @@ class OffloadPool(PoolFrame):
         self._need_kernels("check_invariants")
         for r, layout in enumerate(self._buffers):
             seq = self._seqs.get(r)
-            check_invariants(layout.state, _OnlyLive(self.capacity, seq._runs if seq else []))
+            check_invariants(layout.state, _OnlyLive(self.capacity, seq.runs if seq else []))
         free = torch.zeros(self.capacity, dtype=torch.bool)
         for run in self._allocator.free_runs():
             free[run.start : run.stop] = True

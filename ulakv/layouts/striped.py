@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..address_space import FREE, UNHOMED, LogicalAllocator, Sequence, addresses_on
+from ..address_space import FREE, UNHOMED, LogicalAllocator, Sequence, addresses_on, grow
 from ..config import PoolConfig, Striped, Tiered
 from ..deferred import DeferredStatus
 from ..errors import CollectiveError, InvalidAddressError, InvalidInputError, InvariantError, UlakvError
@@ -46,7 +46,7 @@ from ..kernels.operands import detached, readable_indices
 from ..transfer import Phase, TransferPlan
 from .census import Census, CensusState, hand_to
 from .row_exchange import RowExchange, all_gather
-from .tiered import TieredPool
+from .tiered import TieredPool, context_ctl, context_reports, release_runs, take_exact
 from .tiered_state import BufferState, TieredLayout, report_word
 
 _ids = itertools.count(1 << 20)
@@ -115,7 +115,7 @@ class StripedPool(PoolFrame):
         # admit or release is checked against them whole, so every rank refuses it alike, before
         # its slice takes the part homed here.
         self._books: SimpleNamespace | None = None
-        reports = [st.report for st in self.inner._layout.contexts]
+        reports = context_reports(self.inner)
         if engine and self.device.type != "meta":
             n = self._engine_n
             # One word past the addresses: a release frees its addresses there without a host
@@ -173,7 +173,7 @@ class StripedPool(PoolFrame):
         self._check_addresses(what, addrs)
         if addrs.dim() != 1:
             raise InvalidInputError(f"{what}: addrs must be 1-D, got shape {tuple(addrs.shape)}")
-        self.inner._check_device(f"{what}: addrs", addrs)
+        self._check_device(f"{what}: addrs", addrs)
         # No deferred refusal is raised here: on a GPU each rank learns of one when its report
         # lands, and a rank that raised here would skip the admit the others make, so the books
         # would part for good. The next prepare or write raises it (books stay alike).
@@ -212,14 +212,14 @@ class StripedPool(PoolFrame):
     def gpu_buffer(self, layer: int) -> torch.Tensor:
         """uint8 rows ``prepare``'s slots index: this rank's GPU slice ``[S + 1, bytes]`` (local
         mode), then its buffer (fetch mode: ``[S + 1 + buffer_slots + 1, bytes]``)."""
-        self.inner._check_layer(layer)
+        self._check_layer(layer)
         return self._rows[layer, : self._unpaged_rows]
 
     def paged_buffer(self, layer: int) -> torch.Tensor:
         """uint8 ``[pages, page_size, 1, bytes_per_layer]``: ``gpu_buffer(layer)`` and the rows that
         round it up to whole pages (``PoolConfig.page_size``), whose token index is the slot: the
         paged KV cache SGLang's DCP attention views (``kv_cache.view(-1, 1, page_size, dim)``)."""
-        self.inner._check_layer(layer)
+        self._check_layer(layer)
         page = self.config.page_size
         return self._rows[layer].view(-1, page, 1, self._rows.shape[-1])
 
@@ -272,7 +272,7 @@ class StripedPool(PoolFrame):
 
     def _home(self, seq: Sequence, taken: list[range]) -> torch.Tensor:
         try:
-            self.inner._take_exact(self._local(taken))
+            take_exact(self.inner, self._local(taken))
         except BaseException:
             self._allocator.give_back(taken)
             raise
@@ -281,20 +281,20 @@ class StripedPool(PoolFrame):
             self._live[new] = True
             if self._buffer is not None:
                 self._buffer.mapping[:, new] = UNHOMED
-            seq._append(taken)
+            grow(seq, taken)
         return new
 
     def release(self, seq: Sequence) -> None:
         self._pool_owned("release")
         self._check_seq(seq)
         self._check_usable()
-        local = self._local(seq._runs)
-        self.inner._release_addresses(local, addresses_on(local, self.device))
-        if seq._runs:
+        local = self._local(seq.runs)
+        release_runs(self.inner, local, addresses_on(local, self.device))
+        if seq.runs:
             self._live[seq.addresses] = False
             if self._buffer is not None and self.device.type != "meta":  # a plan holds no state
                 release_mod.release(seq.addresses, self._buffer)
-        self._allocator.give_back(seq._runs)
+        self._allocator.give_back(seq.runs)
         seq.released = True
         if self._buffer is not None and self._allocator.free == self._allocator.capacity:
             self._buffer.reset_residency()
@@ -311,7 +311,7 @@ class StripedPool(PoolFrame):
             return
         flat = readable_indices(addrs)
         census = self._census(flat, unique=True)
-        self._settle("write", census, [self.inner._layout.context(self.config.group_of(layer)).ctl])
+        self._settle("write", census, [context_ctl(self.inner, self.config.group_of(layer))])
         rows = detached(rows, self._rows)  # index_copy_ below refuses an overlap, after inner's write
         self.inner.write(layer, census.local, rows)
         if self._buffer is not None:
@@ -332,11 +332,11 @@ class StripedPool(PoolFrame):
             return Selection(group, torch.empty(topk.shape, dtype=torch.int32, device=self.device))
         if self.local:
             census = self._census(flat)
-            self._settle("prepare", census, [self.inner._layout.context(group).ctl])
+            self._settle("prepare", census, [context_ctl(self.inner, group)])
             slots = self.inner.prepare(group, census.local.view(1, -1)).slots
         else:
             census = self._census(flat, group=group)
-            self._settle("prepare", census, [self._buffer.ctl, self.inner._layout.context(group).ctl])
+            self._settle("prepare", census, [self._buffer.ctl, context_ctl(self.inner, group)])
             try:
                 slots = self._fetch_and_apply(group, flat, census)
             except BaseException as exc:
@@ -352,12 +352,12 @@ class StripedPool(PoolFrame):
         when packed (int32 or int64)."""
         self._need_kernels("prepare")
         self._check_usable()
-        self.inner._check_group(group)
+        self._check_group(group)
         if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
             raise InvalidInputError("prepare: topk must be a [batch, k] or [batch, q, k] tensor")
         if topk.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
-        self.inner._check_device("prepare: topk", topk)
+        self._check_device("prepare: topk", topk)
         self._raise_refused()
         return readable_indices(topk)
 
@@ -401,7 +401,7 @@ class StripedPool(PoolFrame):
         if flat.numel() == 0:
             return None
         census = self._census(flat)
-        self._settle("prepare", census, [self.inner._layout.context(group).ctl])
+        self._settle("prepare", census, [context_ctl(self.inner, group)])
         return self.inner.plan(group, census.local.view(1, -1), out=out)
 
     def run(self, plan: TransferPlan, until: Phase = Phase.COMMIT, in_layers: range | None = None) -> None:
@@ -486,7 +486,7 @@ class StripedPool(PoolFrame):
             self._check_process_group(self.config.layout, "read (a gather from every rank)")
         self._check_usable()
         self.check()
-        self.inner._check_layer(layer)
+        self._check_layer(layer)
         self._check_addresses("read", addrs)
         flat = readable_indices(addrs.to(self.device)).to(torch.int64)  # packed: the census reads it
         if bool((flat < 0).any()):

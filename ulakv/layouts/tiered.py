@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from .. import host_memory
-from ..address_space import UNHOMED, EngineAddresses, LogicalAllocator, Sequence, addresses_on, runs_of
+from ..address_space import UNHOMED, EngineAddresses, LogicalAllocator, Sequence, addresses_on, grow, runs_of
 from ..config import PoolConfig, Replicated
 from ..deferred import DeferredStatus
 from ..errors import InvalidAddressError, InvalidInputError, InvariantError, UlakvError
@@ -23,7 +23,7 @@ from ..invariants import PlanSnapshot, check_invariants, check_plan, snapshot_pl
 from ..kernels import common as K
 from ..kernels import engine_addresses as engine_mod
 from ..kernels.operands import readable_indices
-from ..transfer import Phase, PlanInterrupted, TransferPlan
+from ..transfer import Phase, PlanInterrupted, TransferPlan, interrupt_of
 from .tiered_state import TieredLayout, TieredState
 
 _pool_ids = itertools.count(1)
@@ -82,7 +82,6 @@ class TieredPool(PoolFrame):
         # The plan planned last and not yet run to the end: the plan kernel has already taken its
         # slots from the free stacks and the policy, so the next call finishes it first.
         self._pending: TransferPlan | None = None
-        self._interrupt: Phase | None = None  # set by ulakv.transfer.interrupt_after (tests)
         # ULAKV_DEBUG only: the pending plan and the host snapshot taken right before its plan
         # kernels ran; its decisions are checked against it once it has finished (_after_call).
         self._audit: tuple[TransferPlan, PlanSnapshot] | None = None
@@ -151,14 +150,14 @@ class TieredPool(PoolFrame):
         new = addresses_on(taken, self.device)
         if taken:
             self._state.mapping[:, new] = UNHOMED
-            seq._append(taken)
+            grow(seq, taken)
         return new
 
     def release(self, seq: Sequence) -> None:
         """Return every address and slot of ``seq`` in every group."""
         self._pool_owned("release")
         self._check_seq(seq)
-        self._release_addresses(seq._runs, seq.addresses)
+        self._release_addresses(seq.runs, seq.addresses)
         seq.released = True  # before the debug check: a failed check must not invite a second release
         self._after_call()
 
@@ -348,7 +347,7 @@ class TieredPool(PoolFrame):
                 "run: this plan is not the pool's latest (it was finished, or a later call planned); "
                 "plan again"
             )
-        stop = self._interrupt
+        stop = interrupt_of(self)
         if stop is not None and stop < until:
             self._launches += self._layout.execute(plan, until=stop, in_layers=in_layers)
             raise PlanInterrupted(
@@ -550,3 +549,28 @@ class TieredPool(PoolFrame):
             raise InvalidAddressError(f"{what}: addresses out of range [0, {self.address_space})")
         if bool((self._state.mapping[0, addrs] == -1).any()):
             raise InvalidAddressError(f"{what}: addresses not live (released or never admitted)")
+
+
+# -- the slice protocol: what a pool built over a tiered pool (a striped rank's slice) does to it ------
+def take_exact(pool: TieredPool, addresses: list[range]) -> None:
+    """Admit exactly ``addresses`` (runs) into ``pool``, which must be its lowest free ones (a
+    striped rank takes the local part of what the global allocator handed out: its lowest free,
+    too); otherwise ``UlakvError`` (the ranks are out of step), changing nothing."""
+    pool._take_exact(addresses)
+
+
+def release_runs(pool: TieredPool, addresses: list[range], on_device: torch.Tensor) -> None:
+    """Release ``addresses`` (runs; ``on_device`` the same as a tensor) from ``pool``: their homes
+    freed in every layer."""
+    pool._release_addresses(addresses, on_device)
+
+
+def context_ctl(pool: TieredPool, group: int) -> torch.Tensor:
+    """The control words of the call context ``group`` runs in: a composing pool hands its own
+    refusal to the plan about to run there (``ulakv.layouts.census.hand_to``)."""
+    return pool._layout.context(group).ctl
+
+
+def context_reports(pool: TieredPool) -> list[torch.Tensor]:
+    """Every call context's report word (``ulakv.deferred``), which a composing pool reads too."""
+    return [st.report for st in pool._layout.contexts]
