@@ -38,7 +38,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from critical_path import measure
 
 from ulakv import PBLRU, ExactLRU
-from ulakv.capacity import GB, MODELS
+from ulakv.presets import GB, MODELS
 
 US_PER_OP = 1.0  # a dependent global-memory operation, microseconds (the figure)
 US_PER_LAUNCH = 1.0  # GPU-side gap between dependent kernels, microseconds

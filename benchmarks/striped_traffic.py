@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 from ulakv import EntrySpec, ExactLRU, Pool, PoolConfig, Striped, Tiered
-from ulakv.capacity import MODELS
 from ulakv.engine.context_parallel import all_gather_partials, partial_bytes
+from ulakv.presets import MODELS
 from ulakv.spawn import run_ranks
 from ulakv.traces import SyntheticSpec, synthetic
 

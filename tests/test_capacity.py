@@ -10,9 +10,6 @@ import pytest
 
 from ulakv.capacity import (
     BASELINES,
-    GB,
-    HARDWARE,
-    MODELS,
     SYSTEMS,
     ULAKV_MODES,
     Scenario,
@@ -28,6 +25,7 @@ from ulakv.cli import main
 from ulakv.config import EntrySpec, PoolConfig, Striped, Tiered
 from ulakv.errors import CapacityError
 from ulakv.pool import Pool
+from ulakv.presets import GB, HARDWARE, MODELS
 
 CONFIGS = list(itertools.product(["H200", "B300"], ["TP", "DP"], [True, False]))
 

@@ -8,8 +8,9 @@ import io
 
 import pytest
 
-from ulakv.capacity import HARDWARE, MODELS, SGLANG_SYSTEMS, Scenario, default_selection_shape, plan
+from ulakv.capacity import SGLANG_SYSTEMS, Scenario, default_selection_shape, plan
 from ulakv.cli import main
+from ulakv.presets import HARDWARE, MODELS
 
 
 def _plan(model: str, mode: str, systems=(*SGLANG_SYSTEMS, "dcp", "ulakv", "ulakv_local")):

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 
 from .capacity import (
     BASELINES,
-    HARDWARE,
-    MODELS,
     SGLANG_BASELINES,
     SGLANG_ULAKV,
     ULAKV_MODES,
@@ -20,6 +18,7 @@ from .capacity import (
     measure_selection_shape,
     plan,
 )
+from .presets import HARDWARE, MODELS
 
 # -- ulakv capacity -----------------------------------------------------------------------------
 
