@@ -69,13 +69,13 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import gpu_serving
 import torch
+from gpu_harness import Skip, in_suite_order, run_section, section_names
 
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Striped, Tiered
 from ulakv.engine import SparseKV
@@ -237,7 +237,7 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
         seqs: list[tuple] = []  # (sequence in kernels, sequence in refs): the same addresses
         for call in range(40):
             op = rng.random()
-            live = [a for s, _ in seqs for a in s._addresses]
+            live = [a for s, _ in seqs for a in s.address_list]
             if (op < 0.3 or not live) and kernels.free_addresses >= 8:
                 n = rng.randint(1, 8)
                 pair = (kernels.admit(n), refs.admit(n))
@@ -266,7 +266,7 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
             if bad is not None:
                 raise AssertionError(f"{policy}: kernels and references differ in {bad!r} after call {call}")
         st = kernels._state
-        live = torch.tensor([a for s, _ in seqs for a in s._addresses], dtype=torch.int64, device=device)
+        live = torch.tensor([a for s, _ in seqs for a in s.address_list], dtype=torch.int64, device=device)
         for layer in range(3):
             g = layer // 2
             gpu, cpu = as_words(st.gpu_data[layer]), as_words(st.cpu_data[layer])
@@ -1043,7 +1043,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU under the interpreter")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    parser.add_argument("--only", nargs="+", default=None, help="run only these sections (by name)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="run only these sections (by name; space- or comma-separated), in suite order",
+    )
     parser.add_argument(
         "--keep-going",
         action="store_true",
@@ -1056,34 +1061,40 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("the full suite needs a CUDA device; use --smoke on CPU")
     sizes = SMOKE if args.smoke else FULL
     known = sections(device, sizes)
-    if args.only is not None and not set(args.only) <= {name for name, _, _ in known}:
-        parser.error(f"unknown sections {sorted(set(args.only) - {n for n, _, _ in known})}")
-    started = time.perf_counter()
-    results: dict = {"meta": meta(device, args.smoke), "errors": {}}
-    print(json.dumps(results["meta"]), flush=True)
-    for name, title, run in known:
-        # The copy ceilings are what gather, swap-in and prepare are measured against.
-        wanted = args.only is None or name in args.only
-        if name == "ceilings" and args.only is not None:
-            wanted = bool(NEEDS_CEILINGS & set(args.only)) or wanted
-        if not wanted:
-            continue
-        section_start = time.perf_counter()
-        if name in NEEDS_CEILINGS and "ceilings" not in results:
-            results["errors"][name] = "skipped: the ceilings section failed"
-            continue
+    names = [name for name, _, _ in known]
+    only = None
+    if args.only is not None:
         try:
-            results[name] = run(results)
-        except Exception:  # recorded, then re-raised unless --keep-going
-            results["errors"][name] = traceback.format_exc()
-            print(f"\n== {title}: FAILED after {time.perf_counter() - section_start:.1f} s", flush=True)
+            only = [n for text in args.only for n in section_names(names)(text)]
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
+        if NEEDS_CEILINGS & set(only):  # what gather, swap-in and prepare are measured against
+            only.append("ceilings")
+    started = time.perf_counter()
+    results: dict = {"meta": meta(device, args.smoke), "errors": {}, "sections": []}
+    print(json.dumps(results["meta"]), flush=True)
+    runs = {name: (title, run) for name, title, run in known}
+    for name in in_suite_order(only, names):
+        title, run = runs[name]
+
+        def section(details: dict, run=run, name=name) -> object:
+            if name in NEEDS_CEILINGS and "ceilings" not in results:
+                raise Skip("the ceilings section failed")
+            return run(results)
+
+        result, value = run_section(name, section)
+        results["sections"].append({k: v for k, v in result.__dict__.items() if k != "details"})
+        if result.status != "PASS":
+            results["errors"][name] = result.error or f"{result.status}: {result.reason}"
+            print(f"\n== {title}: {result.status} after {result.seconds:.1f} s", flush=True)
             print(results["errors"][name], flush=True)
-            if not args.keep_going or not _device_usable(device):
+            if result.status == "FAIL" and (not args.keep_going or not _device_usable(device)):
                 _write(args.out, results)
-                raise
+                raise SystemExit(f"section {name} failed: {result.reason}")
             continue
-        table(title, results[name] if isinstance(results[name], list) else [results[name]])
-        print(f"({name}: {time.perf_counter() - section_start:.1f} s)", flush=True)
+        results[name] = value
+        table(title, value if isinstance(value, list) else [value])
+        print(f"({name}: {result.seconds:.1f} s)", flush=True)
         _write(args.out, results)  # what finished survives a later section's crash or timeout
     results["meta"]["seconds"] = time.perf_counter() - started
     print(f"\ndone in {results['meta']['seconds']:.1f} s")

@@ -80,15 +80,16 @@ import platform
 import subprocess
 import sys
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (conformance)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_harness, beside this script
+from gpu_harness import Failed, SectionResult, Skip, in_suite_order, result_rows, run_section, section_names
 
 # Only the standard library here: the script must import (and ``--help`` answer) without SGLang, and
 # quickly; torch, ulakv and sglang are imported inside the checks.
@@ -128,24 +129,6 @@ TARGET_POOL = ("sglang.srt.mem_cache.hisparse_memory_pool", "HiSparseDSATokenToK
 TARGET_ALLOCATOR = ("sglang.srt.mem_cache.allocator.hisparse", "HiSparseTokenToKVPoolAllocator")
 
 
-class Skip(Exception):
-    """The check cannot run on this machine; the message says why."""
-
-
-class CheckFailed(Exception):
-    """The check ran and found something wrong; the message says what."""
-
-
-@dataclass
-class Result:
-    name: str
-    status: str  # PASS, FAIL or SKIP
-    reason: str
-    seconds: float
-    details: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None  # the traceback of a failure
-
-
 # -- helpers: what is installed ------------------------------------------------------------------------
 def _pinned() -> str:
     from ulakv.integrations.sglang.version import SGLANG_VERSION
@@ -178,21 +161,21 @@ def _sglang_version() -> str | None:
 
 def _require_sglang() -> None:
     if importlib.util.find_spec("sglang") is None:
-        raise CheckFailed(f"sglang is not installed (the adapter is pinned to sglang=={_pinned()})")
+        raise Failed(f"sglang is not installed (the adapter is pinned to sglang=={_pinned()})")
 
 
 def _require_cuda() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise CheckFailed("needs a CUDA device: torch.cuda.is_available() is False")
+        raise Failed("needs a CUDA device: torch.cuda.is_available() is False")
 
 
 def _sglang_source_dir() -> Path:
     """The directory holding the installed ``sglang/`` package (its site-packages, or a checkout)."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
-        raise CheckFailed(f"sglang is not installed (the adapter is pinned to sglang=={_pinned()})")
+        raise Failed(f"sglang is not installed (the adapter is pinned to sglang=={_pinned()})")
     return Path(next(iter(spec.submodule_search_locations))).resolve().parent
 
 
@@ -229,9 +212,7 @@ def _installed_classes() -> tuple[type, type]:
     pool_cls = getattr(pool_mod, TARGET_POOL[1])
     alloc_cls = getattr(importlib.import_module(TARGET_ALLOCATOR[0]), TARGET_ALLOCATOR[1])
     if not issubclass(pool_cls, UlakvKVPoolMixin) or not issubclass(alloc_cls, UlakvAllocatorMixin):
-        raise CheckFailed(
-            "install() did not replace SGLang's HiSparse pool / allocator (see the install check)"
-        )
+        raise Failed("install() did not replace SGLang's HiSparse pool / allocator (see the install check)")
     return pool_cls, alloc_cls
 
 
@@ -336,7 +317,7 @@ class Requests:
         """``n`` fresh loc (a decode step's ``out_cache_loc``), int64 cpu."""
         out, self.next_free = self.next_free[:n], self.next_free[n:]
         if out.numel() < n:
-            raise CheckFailed("the check ran out of loc: its sizes are wrong")
+            raise Failed("the check ran out of loc: its sizes are wrong")
         return out
 
 
@@ -424,9 +405,9 @@ def check_version(details: dict[str, Any]) -> str:
     installed = _sglang_version()
     details.update(pinned=pinned, installed=installed)
     if installed is None:
-        raise CheckFailed(f"sglang is not installed (the adapter is pinned to sglang=={pinned})")
+        raise Failed(f"sglang is not installed (the adapter is pinned to sglang=={pinned})")
     if installed != pinned:
-        raise CheckFailed(f"sglang {installed} is installed; the adapter is written against sglang {pinned}")
+        raise Failed(f"sglang {installed} is installed; the adapter is written against sglang {pinned}")
     return f"sglang {installed}"
 
 
@@ -444,7 +425,7 @@ def check_conformance(details: dict[str, Any]) -> str:
     details.update(source=str(source), exit_code=code, problems=problems, output_tail=text[-4000:])
     if code != 0:
         first = problems[0] if problems else "see output_tail"
-        raise CheckFailed(f"{len(problems)} problem(s) against {source}; first: {first}")
+        raise Failed(f"{len(problems)} problem(s) against {source}; first: {first}")
     return f"coordinator, pool and allocator conform to the installed source ({source})"
 
 
@@ -466,7 +447,7 @@ def check_install(details: dict[str, Any]) -> str:
     from ulakv.integrations.sglang.kv_pool import UlakvKVPoolMixin
 
     if install(force=True) is not True:
-        raise CheckFailed("install(force=True) did not register anything")
+        raise Failed("install(force=True) did not register anything")
     HookRegistry.apply_hooks()  # logs, not raises, a target it cannot patch: the checks below catch it
 
     problems = []
@@ -508,7 +489,7 @@ def check_install(details: dict[str, Any]) -> str:
     elif not any(ep.load() is install for ep in points):
         problems.append(f"the ulakv entry point ({points[0].value}) does not load install")
     if problems:
-        raise CheckFailed("; ".join(problems))
+        raise Failed("; ".join(problems))
     return "coordinator, pool and allocator replaced; entry point registered"
 
 
@@ -528,7 +509,7 @@ def check_kv_pool_roundtrip(details: dict[str, Any]) -> str:
 
         # The layout SGLang's backends read: FP8 DSA rows, kv_buffer viewing the pool's paged rows.
         if not (ours.dsa_kv_cache_store_fp8 and ours.kv_cache_dim == FP8_ROW):
-            raise CheckFailed(
+            raise Failed(
                 "our pool is not SGLang's FP8 DSA layout: "
                 f"dsa_kv_cache_store_fp8={ours.dsa_kv_cache_store_fp8}, kv_cache_dim={ours.kv_cache_dim} "
                 f"(want True, {FP8_ROW})"
@@ -536,23 +517,19 @@ def check_kv_pool_roundtrip(details: dict[str, Any]) -> str:
         for layer in range(LAYERS):
             buf = ours.kv_buffer[layer]
             if buf.dtype != torch.uint8 or tuple(buf.shape[1:]) != (1, FP8_ROW) or buf.shape[0] % PAGE:
-                raise CheckFailed(
+                raise Failed(
                     f"kv_buffer[{layer}] is {buf.dtype} {tuple(buf.shape)}: want uint8 [64 k, 1, 656]"
                 )
             if buf.shape[0] <= size:
-                raise CheckFailed(
-                    f"kv_buffer[{layer}] has {buf.shape[0]} rows for {size} GPU slots and a dummy"
-                )
+                raise Failed(f"kv_buffer[{layer}] has {buf.shape[0]} rows for {size} GPU slots and a dummy")
             if buf.data_ptr() != store.kv_rows(layer).data_ptr():
-                raise CheckFailed(f"kv_buffer[{layer}] is not a view of the ulakv pool's GPU rows")
+                raise Failed(f"kv_buffer[{layer}] is not a view of the ulakv pool's GPU rows")
             # data_ptrs is uint64 (MLATokenToKVPool.__init__): read it as int64, which CUDA indexes
             if ours.data_ptrs.view(torch.int64).tolist()[layer] != buf.data_ptr():
-                raise CheckFailed(f"data_ptrs[{layer}] does not point at kv_buffer[{layer}]")
+                raise Failed(f"data_ptrs[{layer}] does not point at kv_buffer[{layer}]")
             key = ours.get_key_buffer(layer)
             if key.dtype != torch.float8_e4m3fn or key.data_ptr() != buf.data_ptr():
-                raise CheckFailed(
-                    f"get_key_buffer({layer}) is {key.dtype}, not an fp8 view of kv_buffer[{layer}]"
-                )
+                raise Failed(f"get_key_buffer({layer}) is {key.dtype}, not an fp8 view of kv_buffer[{layer}]")
 
         gen = torch.Generator(device=DEVICE).manual_seed(1)
         loc = (torch.randperm(size * RATIO + PAGE - 1, generator=torch.Generator().manual_seed(2)) + 1).to(
@@ -586,12 +563,12 @@ def check_kv_pool_roundtrip(details: dict[str, Any]) -> str:
             for layer in range(LAYERS):
                 slots = store.slots(layer, sel.to(torch.int32).view(1, -1)).view(-1)
                 if bool((slots < 0).any()):
-                    raise CheckFailed(f"{what}, layer {layer}: {int((slots < 0).sum())} live loc got slot -1")
+                    raise Failed(f"{what}, layer {layer}: {int((slots < 0).sum())} live loc got slot -1")
                 got = _byte_rows(ours.kv_buffer[layer])[slots.long()]
                 want = _byte_rows(ref.kv_buffer[layer])[sel]
                 bad = (got != want).any(dim=1)
                 if bool(bad.any()):
-                    raise CheckFailed(_mismatch(f"{what}, layer {layer}", bad, where))
+                    raise Failed(_mismatch(f"{what}, layer {layer}", bad, where))
             return sel.numel() * LAYERS
 
         where_first = write(first, 256, padding=True)
@@ -607,14 +584,14 @@ def check_kv_pool_roundtrip(details: dict[str, Any]) -> str:
         on_cpu = int((store.pool.residency(group0, first) < 0).sum())
         details["first_rows_on_cpu_before_selection"] = on_cpu
         if on_cpu == 0:
-            raise CheckFailed("nothing of the first 1024 tokens was evicted: the check did not test eviction")
+            raise Failed("nothing of the first 1024 tokens was evicted: the check did not test eviction")
         before = store.pool.stats()
         sel = torch.cat([first, later[4096:]])  # the evicted first tokens and the never-selected rest
         checked += compare("after eviction", sel, torch.cat([where_first, where_later[4096:]]))
         after = store.pool.stats()
         details["misses_of_selection"] = after["misses"] - before["misses"]
         if after["misses"] <= before["misses"]:
-            raise CheckFailed("selecting evicted tokens brought nothing back from the CPU")
+            raise Failed("selecting evicted tokens brought nothing back from the CPU")
         store.pool.check()
         store.pool.check_invariants()
         details["rows_checked"] = checked
@@ -738,21 +715,21 @@ def _attention_pair(fp8: bool, kernel: Callable[..., torch.Tensor], details: dic
                 page_table=reqs.req_to_token.index_select(0, rpi), topk_indices=topk, page_size=1
             )
             if not torch.equal(ours_pt >= 0, ref_pt >= 0):
-                raise CheckFailed(f"layer {layer}: our slots and SGLang's page table pad different entries")
+                raise Failed(f"layer {layer}: our slots and SGLang's page table pad different entries")
             valid = ref_pt >= 0
             got = _byte_rows(ours.kv_buffer[layer])[ours_pt[valid].long()]
             want = _byte_rows(ref.kv_buffer[layer])[ref_pt[valid].long()]
             bad = (got != want).any(dim=1)
             if bool(bad.any()):
-                raise CheckFailed(_mismatch(f"layer {layer}, rows under the slots before FlashMLA", bad))
+                raise Failed(_mismatch(f"layer {layer}, rows under the slots before FlashMLA", bad))
             o_ref = kernel(q, ref.get_key_buffer(layer), ref_pt, sm_scale, topk_length)
             o_ours = kernel(q, ours.get_key_buffer(layer), ours_pt, sm_scale, topk_length)
             _sync()
             if not bool(torch.isfinite(o_ref).all()):
-                raise CheckFailed(f"layer {layer}: the reference output is not finite (the check's inputs?)")
+                raise Failed(f"layer {layer}: the reference output is not finite (the check's inputs?)")
             if not torch.equal(o_ours, o_ref):
                 diff = (o_ours.float() - o_ref.float()).abs()
-                raise CheckFailed(
+                raise Failed(
                     f"layer {layer}: outputs differ in {int((diff != 0).sum())} of {diff.numel()} values "
                     f"(max abs diff {float(diff.max()):.3g})"
                 )
@@ -793,7 +770,7 @@ class DecodeBatch:
         self.pool = _our_pool(pool_cls, self.size, fp8=True, max_running_requests=self.mrr)
         self.store = store = self.pool.ulakv_store
         if store.kv.max_batch < self.padded:
-            raise CheckFailed(
+            raise Failed(
                 f"the store's max_batch is {store.kv.max_batch} (ULAKV_SGLANG_MAX_BATCH?): need {self.padded}"
             )
         loc_space = self.size * RATIO + PAGE
@@ -845,19 +822,19 @@ class DecodeBatch:
         real, topk = self.real, self.topk
         for layer, slots in enumerate(slots_by_layer):
             if slots.dtype != torch.int32 or slots.shape != topk.shape:
-                raise CheckFailed(f"{what}, layer {layer}: slots are {slots.dtype} {tuple(slots.shape)}")
+                raise Failed(f"{what}, layer {layer}: slots are {slots.dtype} {tuple(slots.shape)}")
             if bool((slots[real:] != -1).any()):
-                raise CheckFailed(f"{what}, layer {layer}: a padding request (past num_real_reqs) got slots")
+                raise Failed(f"{what}, layer {layer}: a padding request (past num_real_reqs) got slots")
             pos, got_slots = topk[:real], slots[:real]
             valid = pos >= 0
             if not torch.equal(got_slots >= 0, valid):
-                raise CheckFailed(f"{what}, layer {layer}: slots are not -1 exactly where positions are")
+                raise Failed(f"{what}, layer {layer}: slots are not -1 exactly where positions are")
             locs = self.reqs.req_to_token.index_select(0, self.rpi[:real]).gather(1, pos.clamp(min=0).long())
             got = self.kv_rows[layer][got_slots[valid].long()]
             want = self.truth[layer][locs[valid].long()]
             bad = (got != want).any(dim=1)
             if bool(bad.any()):
-                raise CheckFailed(_mismatch(f"{what}, layer {layer}", bad))
+                raise Failed(_mismatch(f"{what}, layer {layer}", bad))
         return int((topk[:real] >= 0).sum()) * LAYERS
 
 
@@ -985,15 +962,15 @@ def check_allocator(details: dict[str, Any]) -> str:
             return store.pool.live_addresses().tolist()
 
         if alloc.get_kvcache() is not pool or alloc.size_full != full or alloc.available_size() != full:
-            raise CheckFailed(
+            raise Failed(
                 f"a fresh allocator: size_full {alloc.size_full}, available {alloc.available_size()} "
                 f"(want {full} and {full})"
             )
         a, b = alloc.alloc(640), alloc.alloc(5120)
         if a is None or b is None:
-            raise CheckFailed("alloc returned None with room to spare")
+            raise Failed("alloc returned None with room to spare")
         if live() != sorted(torch.cat([a, b]).tolist()):
-            raise CheckFailed("the pool's live loc are not exactly the allocated ones")
+            raise Failed("the pool's live loc are not exactly the allocated ones")
         gen = torch.Generator(device=DEVICE).manual_seed(10)
         for part in _chunks(torch.cat([a, b]), 2048):  # 5760 tokens > 4096 GPU slots: some to the CPU
             for layer in range(LAYERS):
@@ -1004,17 +981,15 @@ def check_allocator(details: dict[str, Any]) -> str:
         alloc.free(a)
         stats = store.pool.stats()
         if live() != sorted(b.tolist()) or alloc.available_size() != full - b.numel():
-            raise CheckFailed("after free: the pool's live loc or the allocator's free count are wrong")
+            raise Failed("after free: the pool's live loc or the allocator's free count are wrong")
         if stats["gpu_slots_used"] + stats["cpu_slots_used"] != LAYERS * b.numel():
-            raise CheckFailed(f"after free: {stats['gpu_slots_used']} + {stats['cpu_slots_used']} homes used")
+            raise Failed(f"after free: {stats['gpu_slots_used']} + {stats['cpu_slots_used']} homes used")
         if alloc.alloc(full) is not None or live() != sorted(b.tolist()):
-            raise CheckFailed(
-                "an allocation larger than what is free did not return None, or changed the pool"
-            )
+            raise Failed("an allocation larger than what is free did not return None, or changed the pool")
         store.pool.check_invariants()
         alloc.clear()
         if live() or alloc.available_size() != full:
-            raise CheckFailed("clear left loc live in the pool or the allocator not empty")
+            raise Failed("clear left loc live in the pool or the allocator not empty")
         details.update(size=size, allocated=[a.numel(), b.numel()], homes_after_free=LAYERS * b.numel())
     return "alloc makes exactly its loc live, free releases them with their homes, clear empties both"
 
@@ -1071,7 +1046,7 @@ def check_dcp_hooks(details: dict[str, Any]) -> str:
         pass
     details.update(overrides=got)
     if problems:
-        raise CheckFailed("; ".join(problems))
+        raise Failed("; ".join(problems))
     return "refusal lifted (trtllm declared), localisation and backend hooks applied and propagated"
 
 
@@ -1111,9 +1086,7 @@ def check_dcp_localize(details: dict[str, Any]) -> str:
             ours = _our_pool(pool_cls, size, fp8=True, max_running_requests=mrr)
             store = ours.ulakv_store
             if not isinstance(store, dcp_hooks.SGLangDcpStore):
-                raise CheckFailed(
-                    f"rank {rank}: the pool under --dcp-size {DCP} built {type(store).__name__}"
-                )
+                raise Failed(f"rank {rank}: the pool under --dcp-size {DCP} built {type(store).__name__}")
             store.admit(loc)
             for layer in range(LAYERS):
                 for part, a, b in zip(
@@ -1136,14 +1109,14 @@ def check_dcp_localize(details: dict[str, Any]) -> str:
                     dcp_rank=rank,
                 )
                 if not torch.equal(counts, want_counts):
-                    raise CheckFailed(f"rank {rank} layer {layer}: counts differ from SGLang's")
+                    raise Failed(f"rank {rank} layer {layer}: counts differ from SGLang's")
                 keep = torch.arange(TOP_K, device=DEVICE) < counts[:, None]
                 got = _byte_rows(ours.kv_buffer[layer])[table.clamp(min=0).long()]
                 dense = want_rows.long() * DCP + rank  # SGLang's local row -> the loc it holds
                 want = _byte_rows(ref.kv_buffer[layer])[dense.clamp(min=0)]
                 bad = (got != want).any(-1) & keep
                 if bad.any():
-                    raise CheckFailed(_mismatch(f"rank {rank} layer {layer}", bad))
+                    raise Failed(_mismatch(f"rank {rank} layer {layer}", bad))
                 checked += int(keep.sum())
 
             def step(cache: Any = cache, rank: int = rank) -> list[torch.Tensor]:
@@ -1165,7 +1138,7 @@ def check_dcp_localize(details: dict[str, Any]) -> str:
             replay()
             _sync()
             if not torch.equal(counts, want_counts):
-                raise CheckFailed(f"rank {rank}: a replayed localisation's counts differ from SGLang's")
+                raise Failed(f"rank {rank}: a replayed localisation's counts differ from SGLang's")
             store.pool.check()
     details.update(dcp=DCP, size=size, rows=rows_n, top_k=TOP_K, rows_compared=checked)
     return (
@@ -1189,23 +1162,11 @@ CHECKS: dict[str, Callable[[dict[str, Any]], str]] = {
 }
 
 
-def run_check(name: str) -> Result:
-    """Run one check; whatever it raises becomes its FAIL (or SKIP), never the run's end."""
-    details: dict[str, Any] = {}
-    error = None
-    start = time.perf_counter()
-    try:
-        reason, status = CHECKS[name](details), "PASS"
-    except Skip as exc:
-        reason, status = str(exc), "SKIP"
-    except Exception as exc:
-        text = str(exc).strip().splitlines()
-        head = text[0] if text else ""
-        reason = head if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {head}"
-        status, error = "FAIL", traceback.format_exc()
-    seconds = time.perf_counter() - start
+def run_check(name: str) -> SectionResult:
+    """Run one check (``gpu_harness.run_section``), then free what it left on the device."""
+    result, _ = run_section(name, CHECKS[name])
     _release_memory()
-    return Result(name, status, reason, round(seconds, 3), details, error)
+    return result
 
 
 def _release_memory() -> None:
@@ -1240,7 +1201,7 @@ def meta(argv: list[str]) -> dict[str, Any]:
     }
 
 
-def markdown(info: dict[str, Any], results: list[Result], seconds: float) -> str:
+def markdown(info: dict[str, Any], results: list[SectionResult], seconds: float) -> str:
     """The section to paste into benchmarks/RESULTS.md."""
     lines = [
         "## SGLang adapter on a GPU (`benchmarks/sglang_gpu_check.py`)",
@@ -1249,20 +1210,9 @@ def markdown(info: dict[str, Any], results: list[Result], seconds: float) -> str
         f"flash-mla {info['flash_mla']}, sgl-kernel {info['sgl_kernel']}, torch {info['torch']}, command",
         f"`{info['command']}` ({seconds:.0f} s).",
         "",
-        "| check | result | seconds | reason |",
-        "|---|---|---:|---|",
+        *result_rows(results),
     ]
-    for r in results:
-        lines.append(f"| {r.name} | {r.status} | {r.seconds:.2f} | {r.reason.replace('|', '/')} |")
     return "\n".join(lines)
-
-
-def _parse_checks(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CHECKS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown check(s) {unknown}; choose from {', '.join(CHECKS)}")
-    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1275,13 +1225,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     parser.add_argument(
+        "--only",
         "--checks",
-        type=_parse_checks,
-        default=list(CHECKS),
+        dest="only",
+        type=section_names(list(CHECKS)),
+        default=None,
         help="comma-separated subset of the checks (default: all); they run in suite order",
     )
     args = parser.parse_args(argv)
-    wanted = [name for name in CHECKS if name in args.checks]
+    wanted = in_suite_order(args.only, list(CHECKS))
     started = time.perf_counter()
     results = []
     for name in wanted:
