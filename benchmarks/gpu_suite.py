@@ -232,7 +232,7 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
     rows = []
     for policy in (ExactLRU(), PBLRU(3)):
         kernels, refs = (make_pool(device, 24, 40, policy, layers=3, per_group=2) for _ in range(2))
-        refs._layout.kernels = REFERENCE
+        refs._runner.kernels = REFERENCE
         rng = random.Random(seed)
         seqs: list[tuple] = []  # (sequence in kernels, sequence in refs): the same addresses
         for call in range(40):
@@ -297,10 +297,10 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
     for policy in (ExactLRU(), PBLRU(8)):
         kernels = make_pool(device, G, 2 * G, policy, layers=2, per_group=2)
         refs = make_pool(cpu, G, 2 * G, policy, layers=2, per_group=2)
-        pinned = kernels._layout.state.cpu_data.is_pinned()  # mapped, then registered with CUDA
+        pinned = kernels._runner.state.cpu_data.is_pinned()  # mapped, then registered with CUDA
         if device.type == "cuda" and not pinned:
             raise AssertionError(f"{policy}: the CPU tier is not page-locked for the GPU")
-        refs._layout.kernels = REFERENCE
+        refs._runner.kernels = REFERENCE
         n = 3 * G - T  # nearly full: misses evict once the GPU tier is full
         kernels.admit(n)
         seq_ref = refs.admit(n)  # the same addresses in both (fresh allocators)
@@ -337,7 +337,7 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
                 raise AssertionError(f"{policy}: kernels and references differ in {bad!r} after call {call}")
             # Every block of candidate segments was sealed by its last lister, who reset its count
             # (the acquire-release handshake between classify programs that only a GPU races).
-            if kernels._layout.scratch(T).seg_arrivals.any():
+            if kernels._runner.scratch(T).seg_arrivals.any():
                 raise AssertionError(
                     f"{policy}: a segment block's arrival count left non-zero after call {call}"
                 )

@@ -1,4 +1,4 @@
-"""Consecutive groups' calls share no control word or scratch (``TieredLayout`` call contexts), so
+"""Consecutive groups' calls share no control word or scratch (``TieredRunner`` call contexts), so
 group ``g + 1``'s plan may run while group ``g``'s rows move.
 
 Shown by construction, from the launches themselves: every tensor argument of every kernel a

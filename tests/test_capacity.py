@@ -1,4 +1,4 @@
-"""The capacity planner: real pools on the meta device, budgets respected, counts that agree with
+"""The capacity model: real pools on the meta device, budgets respected, counts that agree with
 an independent count of the same requests, and the published shape of the comparison."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ulakv.capacity import (
     Workload,
     _largest,
     _reserve,
-    plan,
+    fit_systems,
     pool_bytes,
     published_scenarios,
 )
@@ -38,13 +38,13 @@ SHAPE = {
 
 @pytest.fixture(scope="module")
 def published() -> list[dict]:
-    """``ulakv plan --json --explain`` for the 8 published configurations (one run, shared)."""
+    """``ulakv capacity --json --explain`` for the 8 published configurations (one run, shared)."""
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["plan", "--json", "--explain"]) == 0
+        assert main(["capacity", "--json", "--explain"]) == 0
     return json.loads(out.getvalue())
 
 
@@ -135,7 +135,7 @@ def test_every_number_fits_its_budgets(published) -> None:
 )
 def test_every_system_fits_its_budgets_to_the_byte(gpu, mode, spec) -> None:
     sc = Scenario(MODELS["glm-5.3"], HARDWARE[gpu], mode, spec, shape=SHAPE[spec])
-    for name, p in plan(sc).systems.items():
+    for name, p in fit_systems(sc).systems.items():
         b = p.bytes_per_gpu
         assert 0 < b.gpu <= sc.kv_budget(), name
         assert b.cpu <= sc.hardware.cpu_bytes, name
@@ -145,7 +145,7 @@ def test_gpu_only_tp_matches_an_independent_count() -> None:
     """Replicated KV: every rank holds every request, so the count is how many of the stream's
     requests fit one GPU's KV budget, whatever the world size."""
     sc = Scenario(MODELS["glm-5.3"], HARDWARE["h200"], "TP", True, shape=SHAPE[True])
-    got = plan(sc, systems=("gpu_only",)).systems["gpu_only"].admitted
+    got = fit_systems(sc, systems=("gpu_only",)).systems["gpu_only"].admitted
     per_token = sc.model.kv_layers(True) * 656 + sc.model.index_layers(True) * 132
     slots = (sc.kv_budget() - per_token) // per_token  # each pool keeps one dummy row a layer
     lengths = Workload().lengths(0, 100)
@@ -158,7 +158,7 @@ def test_dcp_tp_matches_an_independent_count() -> None:
     mod world, requests given consecutive runs of addresses) in as many slots as gpu_only's
     replica; the batch stops when rank 0's share no longer fits."""
     sc = Scenario(MODELS["glm-5.3"], HARDWARE["h200"], "TP", True, shape=SHAPE[True])
-    got = plan(sc, systems=("dcp",)).systems["dcp"].admitted
+    got = fit_systems(sc, systems=("dcp",)).systems["dcp"].admitted
     per_token = sc.model.kv_layers(True) * 656 + sc.model.index_layers(True) * 132
     slots = (sc.kv_budget() - per_token) // per_token
     world, start, held, fits = sc.world, 0, 0, 0
@@ -174,7 +174,7 @@ def test_dcp_tp_matches_an_independent_count() -> None:
 def test_cpu_offload_is_bounded_by_its_full_cpu_copy() -> None:
     """HiSparse keeps every token on the CPU: with GPU to spare, the CPU budget decides."""
     sc = Scenario(MODELS["glm-5.3"], HARDWARE["b300"], "DP", False, shape=SHAPE[False])
-    p = plan(sc, systems=("cpu_offload",)).systems["cpu_offload"]
+    p = fit_systems(sc, systems=("cpu_offload",)).systems["cpu_offload"]
     history = sc.hardware.cpu_bytes // (sc.model.kv_layers(False) * 656) - 1
     expected = 0
     for rank in range(sc.world):
@@ -187,7 +187,7 @@ def test_staging_rows_and_buffers_are_counted() -> None:
     """ulakv's CPU rows include the staging rows a step's swaps need; the striped buffer holds one
     step's union of every request's selections."""
     sc = Scenario(MODELS["glm-5.3"], HARDWARE["h200"], "TP", True, shape=SHAPE[True])
-    p = plan(sc, systems=("ulakv",)).systems["ulakv"]
+    p = fit_systems(sc, systems=("ulakv",)).systems["ulakv"]
     n = p.admitted
     union = -(-int(1.18 * 2048 * 1000) // 1000)
     assert f"buffer_slots={n * union}" in p.pools[0]
@@ -208,7 +208,7 @@ def test_dp_attention_replicates_the_attention_weights() -> None:
 @pytest.mark.parametrize("model", ["glm-5", "deepseek-v3.2"])
 def test_other_presets_plan(model) -> None:
     sc = Scenario(MODELS[model], HARDWARE["b300"], "TP", False, shape=SHAPE[False])
-    p = plan(sc)
+    p = fit_systems(sc)
     n = {k: v.admitted for k, v in p.systems.items()}
     assert n["ulakv"] >= n["cpu_offload"] >= 1 and n["ulakv"] >= n["gpu_only"] >= 1
     assert n["ulakv_local"] >= n["dcp"] > n["gpu_only"]
@@ -224,7 +224,7 @@ def test_meta_pools_admit_hundreds_of_long_requests() -> None:
     66K-133K-token requests into it (runs of addresses, shape-only tensors)."""
     scenarios = published_scenarios()
     assert len(scenarios) == 8
-    p = plan(scenarios[4], systems=("ulakv",)).systems["ulakv"]
+    p = fit_systems(scenarios[4], systems=("ulakv",)).systems["ulakv"]
     assert p.admitted > 300 and p.bytes_per_gpu.gpu_rows > 50 * GB
 
 

@@ -8,14 +8,14 @@ import io
 
 import pytest
 
-from ulakv.capacity import SGLANG_SYSTEMS, Scenario, default_selection_shape, plan
+from ulakv.capacity import SGLANG_SYSTEMS, Scenario, default_selection_shape, fit_systems
 from ulakv.cli import main
 from ulakv.presets import HARDWARE, MODELS
 
 
 def _plan(model: str, mode: str, systems=(*SGLANG_SYSTEMS, "dcp", "ulakv", "ulakv_local")):
     scenario = Scenario(MODELS[model], HARDWARE["h200"], mode, True, shape=default_selection_shape(True))
-    return {name: p.admitted for name, p in plan(scenario, systems).systems.items()}
+    return {name: p.admitted for name, p in fit_systems(scenario, systems).systems.items()}
 
 
 @pytest.mark.parametrize("model", ["glm-5.3", "deepseek-v3.2"])

@@ -55,7 +55,8 @@ def sorted_census(flat, world, live, per_home, most, unique, buffer_map, buffer_
 
 
 def one_hot_exchange(flat, scratch, inner_slots, world, rank, width, dummy):
-    """The fetch's plan as ``RowExchange.plan`` made it before: one-hot cumsums over every lane."""
+    """The fetch's routing as ``RowExchange.route`` (then ``plan``) made it before: one-hot cumsums
+    over every lane."""
     T = flat.numel()
     chunks = -(-T // K.CHUNK)
     lane = torch.arange(K.CHUNK, dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""The ulakv command: plan's explanations and figure, replay's table, JSON and figure, and the
+"""The ulakv command: capacity's explanations and figure, replay's table, JSON and figure, and the
 occupancy of real pools after a replay (ulakv 1.0, striped local 1.0 over all ranks, striped fetch
 and CPU offload below 1, Replicated 1/world)."""
 
@@ -40,7 +40,7 @@ def test_capacity_explains_its_assumptions_and_bytes(capsys, tmp_path) -> None:
 
 def test_capacity_table_compares_the_best_modes(capsys) -> None:
     """Five systems a configuration; the ratio is ulakv's better mode over the best baseline."""
-    assert main(["plan", "--gpu", "h200", "--mode", "TP", "--spec", "off"]) == 0
+    assert main(["capacity", "--gpu", "h200", "--mode", "TP", "--spec", "off"]) == 0
     header, row = capsys.readouterr().out.splitlines()
     assert header.split()[1:6] == ["gpu_only", "cpu_offload", "dcp", "ulakv", "ulakv_local"]
     assert "best ulakv / best baseline" in header
@@ -51,9 +51,9 @@ def test_capacity_table_compares_the_best_modes(capsys) -> None:
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["plan", "--gpu", "a100"], "pick from"),
-        (["plan", "--world", "0"], "--world"),
-        (["plan", "--mem-fraction", "1.5"], "--mem-fraction"),
+        (["capacity", "--gpu", "a100"], "pick from"),
+        (["capacity", "--world", "0"], "--world"),
+        (["capacity", "--mem-fraction", "1.5"], "--mem-fraction"),
         (["replay", "--capacities", "0,x"], "--capacities"),
     ],
     ids=["gpu", "world", "fraction", "capacities"],
@@ -121,12 +121,12 @@ def test_replay_prints_a_table(capsys) -> None:
 
 def test_plan_measures_the_working_set_on_a_given_trace(capsys, tmp_path) -> None:
     """A trace whose query positions overlap little has a larger union: fewer requests fit
-    ulakv's buffers, and the plan says where its number came from."""
+    ulakv's buffers, and the count says where its number came from."""
     from ulakv.traces import SyntheticSpec, synthetic
 
     path = tmp_path / "wide.pt"
     synthetic(SyntheticSpec(requests=2, prompt=(3000, 4000), steps=3, topk=256, query_overlap=0.0)).save(path)
-    args = ["plan", "--gpu", "h200", "--mode", "TP", "--spec", "on", "--explain", "--trace", str(path)]
+    args = ["capacity", "--gpu", "h200", "--mode", "TP", "--spec", "on", "--explain", "--trace", str(path)]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"measured on trace {path}" in out

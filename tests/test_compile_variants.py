@@ -110,7 +110,7 @@ def _serve_buffer(policy, width: int, on_step) -> None:
 
     from ulakv import EntrySpec, PoolConfig, Tiered
     from ulakv.kernels.operands import readable_rows
-    from ulakv.layouts.tiered_state import BufferState, TieredLayout
+    from ulakv.layouts.tiered_state import BufferState, TieredRunner
 
     cfg = PoolConfig(
         entry=EntrySpec(bytes_per_layer=width),
@@ -120,7 +120,7 @@ def _serve_buffer(policy, width: int, on_step) -> None:
         validate=False,
     )
     state = BufferState.allocate(cfg, addresses=4096)
-    layout = TieredLayout(cfg, state)
+    layout = TieredRunner(cfg, state)
     for step, batch in enumerate(BATCHES):
         for group in range(cfg.num_groups):
             T = batch * QUERIES * TOP_K
@@ -145,7 +145,7 @@ def _serve_striped(policy, width: int, on_step) -> None:
     from ulakv.kernels.operands import readable_rows
     from ulakv.layouts.census import CensusState
     from ulakv.layouts.row_exchange import RowExchange
-    from ulakv.layouts.tiered_state import BufferState, TieredLayout
+    from ulakv.layouts.tiered_state import BufferState, TieredRunner
 
     cfg = PoolConfig(
         entry=EntrySpec(bytes_per_layer=width),
@@ -155,7 +155,7 @@ def _serve_striped(policy, width: int, on_step) -> None:
         validate=False,
     )
     state = BufferState.allocate(cfg, addresses=4096)
-    layout = TieredLayout(cfg, state)
+    layout = TieredRunner(cfg, state)
     census = CensusState(3, 1, 4096, torch.device("cpu"))
     exchange = RowExchange(3, 1, 40, PER_GROUP, width, torch.device("cpu"))
     live = torch.ones(4096, dtype=torch.bool)
@@ -172,7 +172,7 @@ def _serve_striped(policy, width: int, on_step) -> None:
             )  # fmt: skip
             plan, _ = layout.plan(group, flat, out=exchange.buffer_slots_for(T))
             slots = torch.zeros(T, dtype=torch.int32)
-            _, fetch_rows, _ = exchange.plan(flat, plan.scratch, slots, GPU_SLOTS)
+            _, fetch_rows, _ = exchange.route(flat, plan.scratch, slots, GPU_SLOTS)
             _, gathered = exchange.views(len(cfg.group_layers(group)))
             layout.execute(plan, fetched=readable_rows(gathered), fetch_rows=fetch_rows)
             exchange.merge_slots(found.local, slots, GPU_SLOTS + 1)

@@ -45,7 +45,7 @@ def build(policy, gpu_slots: int, cpu_slots: int, num_layers: int, per_group: in
         )
     )
     assert pool._debug  # the environment was read when the pool was built
-    pool._layout.kernels = kernels
+    pool._runner.kernels = kernels
     return pool
 
 
@@ -120,13 +120,13 @@ def count_checks(monkeypatch) -> list[int]:
 
 def count_plans(pool) -> list[int]:
     calls = [0]
-    kernels = pool._layout.kernels
+    kernels = pool._runner.kernels
 
     def plan(*args) -> int:
         calls[0] += 1
         return kernels.plan(*args)
 
-    pool._layout.kernels = Kernels(plan, kernels.apply)
+    pool._runner.kernels = Kernels(plan, kernels.apply)
     return calls
 
 
@@ -171,7 +171,7 @@ def test_no_snapshot_and_no_check_with_debug_off(monkeypatch) -> None:
             entry=EntrySpec(bytes_per_layer=WIDTH), num_layers=1, layout=Tiered(gpu_slots=8, cpu_slots=8)
         )
     )
-    pool._layout.kernels = REFERENCE
+    pool._runner.kernels = REFERENCE
     gen = torch.Generator().manual_seed(0)
     seq = pool.admit(12)
     write_all(pool, seq.addresses, gen)
@@ -326,7 +326,7 @@ DEFECTS = [
 def test_planted_defect_only_the_plan_check_catches(debug, policy, choose, message) -> None:
     pool, selection = scenario(policy)
     check_invariants(pool._state, pool._allocator)
-    pool._layout.kernels = corrupting(choose)
+    pool._runner.kernels = corrupting(choose)
     with pytest.raises(InvariantError, match=message):
         pool.prepare(0, torch.tensor(selection).view(2, -1))
     # The raise came after PoolFrame._after_call's structural check had passed on the corrupted
@@ -341,7 +341,7 @@ def test_planted_defect_in_a_write(debug, policy) -> None:
     breaks invariant 4, and only the per-plan check sees it."""
     pool, _ = scenario(policy)
     seq = pool.admit(6)
-    pool._layout.kernels = corrupting(used_this_round)
+    pool._runner.kernels = corrupting(used_this_round)
     rows = random_rows(torch.Generator().manual_seed(1), 6, WIDTH)
     with pytest.raises(InvariantError, match=r"invariant 4: .* used this round"):
         pool.write(0, seq.addresses, rows)
@@ -387,7 +387,7 @@ def test_planted_recency_defect_only_the_plan_check_catches(debug, policy, kerne
     """The decisions of this call are right, but the recency they leave behind is not. The state
     after the plan, compared with the policy's rules applied to the snapshot, shows it."""
     pool, selection = scenario(policy)
-    pool._layout.kernels = kernels
+    pool._runner.kernels = kernels
     with pytest.raises(InvariantError, match=f"invariant {message}"):
         pool.prepare(0, torch.tensor(selection).view(2, -1))
     check_invariants(pool._state, pool._allocator)

@@ -23,7 +23,7 @@ from ulakv.kernels import lookup as lookup_mod
 from ulakv.kernels import segments
 from ulakv.kernels._triton import tl
 from ulakv.kernels.operands import as_words, readable_rows
-from ulakv.layouts.tiered_state import REFERENCE, TRITON, BufferState, TieredLayout
+from ulakv.layouts.tiered_state import REFERENCE, TRITON, BufferState, TieredRunner
 from ulakv.transfer import Phase
 
 POISON = -7
@@ -55,7 +55,7 @@ def run_stagewise(
 ) -> None:
     """One call, stage by stage, each stage checked against its reference on a cloned copy;
     ``split`` runs the apply in the phase steps an engine with cross-layer prefetch uses."""
-    layout = pool._layout
+    layout = pool._runner
     st = layout.state
     T = flat.numel()
     scratch = layout.scratch(T)
@@ -277,7 +277,7 @@ def test_victims_found_across_segment_blocks(block, monkeypatch: pytest.MonkeyPa
         picks = rng.sample(range(3000), 700 + 150 * step)
         run_stagewise(pool, 0, seq.addresses[picks])
         summed.add(int(pool._state.ctl[int(K.E_SEG_BLOCKS)]))
-        assert not pool._layout.scratch(1).seg_arrivals.any()
+        assert not pool._runner.scratch(1).seg_arrivals.any()
         pool.check_invariants()
     if block == 2:
         assert max(summed) > 2, summed  # victims past the cold bucket's blocks
@@ -375,7 +375,7 @@ def test_buffer_stages_match_reference(policy) -> None:
     st = BufferState.allocate(cfg, addresses=40)
     st.mapping[:, :30] = -2  # 30 live addresses, none buffered yet
     rng, gen = random.Random(3), torch.Generator().manual_seed(3)
-    layout = TieredLayout(cfg, st)
+    layout = TieredRunner(cfg, st)
     allocator = LogicalAllocator(40)
     allocator.take(30)
     for step in range(12):

@@ -4,7 +4,7 @@ A pool whose device is ``meta`` builds at full size without allocating: it admit
 releases addresses exactly as a real pool of its kind does (capacity and ``CapacityError`` included),
 and refuses every call that would touch data (``write``, ``prepare``, ``read``, ``residency``,
 ``stats``, ``check_invariants``) with a ``UlakvError`` that names the meta device. Every
-single-process kind: the tiered pool and both baselines. The capacity planner's own use of meta
+single-process kind: the tiered pool and both baselines. The capacity model's own use of meta
 pools: ``tests/test_capacity.py``.
 """
 

@@ -43,7 +43,7 @@ def tiered(policy, gpu: int, cpu: int, per_group: int = 1, layers: int = 2, writ
 def with_references(pool):
     """A deep copy of ``pool`` whose calls run the kernels' plain references."""
     twin = copy.deepcopy(pool)
-    twin._layout.kernels = REFERENCE
+    twin._runner.kernels = REFERENCE
     return twin
 
 

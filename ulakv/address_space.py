@@ -69,7 +69,7 @@ class Sequence:
     """A request's handle: the logical addresses of its tokens, in position order.
 
     The addresses are kept as runs (a 128K-token request admitted into a fresh pool is one
-    ``range``), so a capacity planner can admit hundreds of long requests in no time."""
+    ``range``), so the capacity model can admit hundreds of long requests in no time."""
 
     pool_id: int
     seq_id: int

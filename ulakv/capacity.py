@@ -1,6 +1,6 @@
-"""Capacity planner: how many long requests each system admits on 8 GPUs, counted by real pools.
+"""Capacity fitter: how many long requests each system admits on 8 GPUs, counted by real pools.
 
-Every number comes from pools built on the ``meta`` device with real budgets: the planner sizes
+Every number comes from pools built on the ``meta`` device with real budgets: the model sizes
 each system's pools from the bytes their tensors take (measured on the meta pools, never a formula
 of ours that could drift from the code), then admits requests of the published workload until one
 does not fit. A system admits a batch of ``N`` only if all three hold:
@@ -172,7 +172,7 @@ class Scenario:
         return self.static_bytes() - self.weights_per_gpu()
 
     def assumptions(self) -> list[tuple[str, str, str]]:
-        """(what, value, source) for everything the plan rests on."""
+        """(what, value, source) for everything the count rests on."""
         m, hw, wl = self.model, self.hardware, self.workload
         shape = self.shape
         rows = [
@@ -313,7 +313,7 @@ def _fit_slots(build: Callable[[int], object], budget: int, cost: Callable[[obje
 
 
 @dataclass
-class SystemPlan:
+class SystemFit:
     """One system in one scenario: requests admitted and what a GPU holds at that batch."""
 
     system: str
@@ -357,7 +357,7 @@ def _local(world: int, inner: Tiered) -> Striped:
     return Striped(world=world, rank=0, attention="local", inner=inner)
 
 
-class _Planner:
+class _Fitter:
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         m = sc.model
@@ -663,11 +663,11 @@ class _Planner:
         self._searched[system] = per_rank, first, why, held
         return self._searched[system]
 
-    def run(self, system: str) -> SystemPlan:
+    def run(self, system: str) -> SystemFit:
         per_rank, first, why, held = self._search(self.same_as(system))
         b = first.bytes if per_rank[0] else MemoryReport()
         pays = self.pays(system, first.layout, per_rank[0], b)
-        return SystemPlan(system, sum(per_rank), per_rank, b, first.pools, why, held, pays)
+        return SystemFit(system, sum(per_rank), per_rank, b, first.pools, why, held, pays)
 
 
 BASELINES = ("gpu_only", "cpu_offload", "dcp")
@@ -681,32 +681,32 @@ SGLANG_SYSTEMS = SGLANG_BASELINES + SGLANG_ULAKV
 
 
 @dataclass
-class ScenarioPlan:
+class ScenarioFit:
     scenario: Scenario
-    systems: dict[str, SystemPlan]
+    systems: dict[str, SystemFit]
     shape: SelectionShape
 
-    def best(self, among: tuple[str, ...]) -> SystemPlan | None:
+    def best(self, among: tuple[str, ...]) -> SystemFit | None:
         """The system of ``among`` (those planned) that admits most; the first on a tie."""
-        plans = [self.systems[s] for s in among if s in self.systems]
-        return max(plans, key=lambda p: p.admitted, default=None)
+        fits = [self.systems[s] for s in among if s in self.systems]
+        return max(fits, key=lambda p: p.admitted, default=None)
 
     def rows(self, explain: bool = False) -> list[dict]:
         out = []
-        for name, plan in self.systems.items():
+        for name, fit in self.systems.items():
             row = {
                 "gpu": self.scenario.hardware.name,
                 "mode": self.scenario.mode,
                 "spec": self.scenario.spec,
                 "system": name,
-                "admitted": plan.admitted,
+                "admitted": fit.admitted,
             }
             if explain:
-                row["breakdown"] = {k: round(v, 3) for k, v in plan.breakdown(self.scenario).items()}
-                row["distinct_tokens_held"] = plan.held
-                row["pools"] = plan.pools
-                row["limit"] = plan.limit
-                row["pays"] = plan.pays
+                row["breakdown"] = {k: round(v, 3) for k, v in fit.breakdown(self.scenario).items()}
+                row["distinct_tokens_held"] = fit.held
+                row["pools"] = fit.pools
+                row["limit"] = fit.limit
+                row["pays"] = fit.pays
                 row["assumptions"] = [
                     {"what": w, "value": v, "source": s} for w, v, s in self.scenario.assumptions()
                 ]
@@ -714,11 +714,11 @@ class ScenarioPlan:
         return out
 
 
-def plan(scenario: Scenario, systems: tuple[str, ...] = SYSTEMS) -> ScenarioPlan:
+def fit_systems(scenario: Scenario, systems: tuple[str, ...] = SYSTEMS) -> ScenarioFit:
     """Admitted requests of each system in ``scenario``."""
-    planner = _Planner(scenario)
-    scenario = replace(scenario, shape=planner.shape)
-    return ScenarioPlan(scenario, {s: planner.run(s) for s in systems}, planner.shape)
+    fitter = _Fitter(scenario)
+    scenario = replace(scenario, shape=fitter.shape)
+    return ScenarioFit(scenario, {s: fitter.run(s) for s in systems}, fitter.shape)
 
 
 def published_scenarios(model: str = "glm-5.3", **overrides) -> list[Scenario]:
@@ -732,5 +732,5 @@ def published_scenarios(model: str = "glm-5.3", **overrides) -> list[Scenario]:
     ]
 
 
-def as_dict(p: ScenarioPlan) -> dict:
+def as_dict(p: ScenarioFit) -> dict:
     return {"scenario": asdict(p.scenario), "systems": {k: asdict(v) for k, v in p.systems.items()}}

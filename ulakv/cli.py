@@ -1,4 +1,4 @@
-"""The ``ulakv`` command: ``capacity`` (admitted requests per system; alias ``plan``), ``replay``
+"""The ``ulakv`` command: ``capacity`` (admitted requests per system), ``replay``
 (a trace through every policy and layout), ``demo`` (the main job: three systems side by side)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from .capacity import (
     ULAKV_MODES,
     Scenario,
     default_selection_shape,
+    fit_systems,
     measure_selection_shape,
-    plan,
 )
 from .presets import HARDWARE, MODELS
 
@@ -61,7 +61,7 @@ def run_capacity(args: argparse.Namespace) -> int:
         shapes = dict.fromkeys(specs, measured)
     else:
         shapes = {spec: default_selection_shape(spec, args.world) for spec in set(specs)}
-    plans = []
+    fits = []
     for gpu in gpus:
         for mode in modes:
             for spec in specs:
@@ -75,8 +75,8 @@ def run_capacity(args: argparse.Namespace) -> int:
                     slots_per_request=args.quota,
                     shape=shapes[spec],
                 )
-                plans.append(plan(scenario, systems))
-    rows = [row for p in plans for row in p.rows(explain=args.explain)]
+                fits.append(fit_systems(scenario, systems))
+    rows = [row for p in fits for row in p.rows(explain=args.explain)]
     if args.plot:
         from .plots import admitted_bars
 
@@ -85,7 +85,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    common = plans[0].scenario.assumptions()
+    common = fits[0].scenario.assumptions()
     if args.explain:
         print("Assumptions (value, source); each configuration below lists those it changes:")
         for what, value, source in common:
@@ -96,7 +96,7 @@ def run_capacity(args: argparse.Namespace) -> int:
         f"{'config':22s} " + " ".join(f"{s:>{width}s}" for s in systems) + "   best ulakv / best baseline"
     )
     print(header)
-    for p in plans:
+    for p in fits:
         sc = p.scenario
         name = f"{sc.hardware.name} {sc.mode} spec {'on' if sc.spec else 'off'}"
         n = {s: p.systems[s].admitted for s in systems if s in p.systems}
@@ -254,7 +254,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "capacity",
-        aliases=["plan"],  # its name before the planner's module became ulakv/capacity.py
         help="requests each system admits, from real pools on the meta device",
     )
     p.add_argument("--model", choices=sorted(MODELS), default="glm-5.3")

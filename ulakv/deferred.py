@@ -49,7 +49,7 @@ class Refusal:
 
 
 class DeferredStatus:
-    """The host side of one pool's refusal reports: one word per call context (``TieredLayout``),
+    """The host side of one pool's refusal reports: one word per call context (``TieredRunner``),
     each with its own count, and the pending words to clear when one is raised."""
 
     def __init__(self, reports: Sequence[torch.Tensor], pending: Sequence[torch.Tensor]) -> None:

@@ -12,7 +12,7 @@ decision:
   7). They compare those decisions with a host snapshot of the group, taken right before the plan
   kernels ran. Under ``ULAKV_DEBUG=1`` a ``TieredPool`` (tiered or replicated layout, and a striped
   rank's inner slice) takes the snapshot and checks each plan once it has finished. A striped
-  rank's buffer and the offload baseline's buffers drive ``TieredLayout`` directly, so they get
+  rank's buffer and the offload baseline's buffers drive ``TieredRunner`` directly, so they get
   the structural check only.
 
 The data half of invariant 3 ("the returned slot holds its data") needs the bytes a caller wrote.

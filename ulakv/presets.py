@@ -1,5 +1,5 @@
 """The models and machines ``ulakv capacity`` plans for: each preset's sizes and where they come
-from (``source``), as the capacity planner and the benchmarks read them.
+from (``source``), as the capacity model and the benchmarks read them.
 
 ``MODELS``: GLM-5, GLM-5.3 and DeepSeek-V3.2 (layers, latent and index widths, indexer layers,
 weights); ``HARDWARE``: an H200 and a B300 (GPU memory, the published CPU budget a GPU).
@@ -14,7 +14,7 @@ GB = 10**9
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """What the planner needs of a model: KV and index-key bytes, layers, attention dimensions
+    """What the capacity model needs of a model: KV and index-key bytes, layers, attention dimensions
     (DP attention replicates the attention weights), checkpoint size."""
 
     name: str

@@ -5,7 +5,7 @@ known, and gets a :class:`GroupStep`: the slots every layer of the group attends
 reused by each layer, as FlashInfer's plan is reused by its runs) and one readiness signal per layer.
 Before layer ``l`` reads ``pool.gpu_buffer(l)[slots]`` it calls ``step.wait(l)``.
 
-On CUDA every call of a group runs on the stream of its *call context* (``TieredLayout``: group
+On CUDA every call of a group runs on the stream of its *call context* (``TieredRunner``: group
 ``g`` in context ``g % 2``, whose control words and scratch no call of groups ``g - 1`` and ``g + 1``
 touches; ``docs/design.md``, section 3). The stream first waits for the current stream (the
 selection, the rows to write, every earlier read of the group's rows are enqueued there), then

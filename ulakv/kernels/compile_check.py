@@ -98,7 +98,7 @@ def drive_pool() -> None:
     from ulakv.kernels.operands import readable_rows
     from ulakv.layouts.census import CensusState
     from ulakv.layouts.row_exchange import RowExchange
-    from ulakv.layouts.tiered_state import BufferState, TieredLayout
+    from ulakv.layouts.tiered_state import BufferState, TieredRunner
 
     for width, policy in ((656, ExactLRU()), (5, ExactLRU()), (656, PBLRU(4))):  # words, bytes
         cfg = PoolConfig(
@@ -124,7 +124,7 @@ def drive_pool() -> None:
         buffer_cfg = cfg.replace(layout=Tiered(gpu_slots=40, cpu_slots=0, policy=policy))
         state = BufferState.allocate(buffer_cfg, addresses=64)
         state.mapping[:, :4] = -2
-        layout = TieredLayout(buffer_cfg, state)
+        layout = TieredRunner(buffer_cfg, state)
         flat = torch.arange(4, dtype=torch.int64)
         plan, _ = layout.plan(0, flat)
         layout.execute(plan, fetched=readable_rows(torch.zeros((4, 2, width), dtype=torch.uint8)))
@@ -144,7 +144,7 @@ def drive_pool() -> None:
             selection, live=live, per_home=4, most=8, buffer_map=state.mapping[0], buffer_slots=40,
             fetch_width=4,
         )  # fmt: skip
-        exchange.plan(selection, plan.scratch, slots, 40)
+        exchange.route(selection, plan.scratch, slots, 40)
     exchange.merge_slots(fetched.local, slots, 41)
     # Engine-owned addresses (both check variants, and release's checked one), then FlashInfer's layout.
     engine = Pool(cfg.replace(engine_addresses=64, page_size=64))

@@ -35,7 +35,7 @@ from ..kernels import common as K
 from ..kernels import gather as gather_mod
 from ..kernels import release as release_mod
 from ..kernels.operands import as_words, detached
-from .tiered_state import BufferState, TieredLayout, miss_positions
+from .tiered_state import BufferState, TieredRunner, miss_positions
 
 _ids = itertools.count(1 << 21)
 
@@ -90,7 +90,7 @@ class OffloadPool(PoolFrame):
         for r in range(R):
             rows = self._rows[:, r * (Q + 1) : (r + 1) * (Q + 1)]
             state = BufferState.allocate(buffer_cfg, gpu_data=rows, addresses=N)
-            self._buffers.append(TieredLayout(buffer_cfg, state))
+            self._buffers.append(TieredRunner(buffer_cfg, state))
         self._allocator = LogicalAllocator(N)
         self._idle = list(range(R - 1, -1, -1))  # idle buffers, lowest on top
         self._seqs: dict[int, Sequence] = {}  # buffer index -> the request that owns it

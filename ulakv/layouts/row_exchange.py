@@ -79,7 +79,7 @@ class RowExchange:
             self._grow(elements, self.fetch_rows.device)
         return self.buffer_slots[:elements]
 
-    def plan(
+    def route(
         self, flat: torch.Tensor, scratch, inner_slots: torch.Tensor, dummy_slot: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a buffer plan's misses (``scratch``: its call scratch, chunk by chunk) over the

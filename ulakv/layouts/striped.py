@@ -47,7 +47,7 @@ from ..transfer import Phase, TransferPlan
 from .census import Census, CensusState, hand_to
 from .row_exchange import RowExchange, all_gather
 from .tiered import TieredPool, context_ctl, context_reports, release_runs, take_exact
-from .tiered_state import BufferState, TieredLayout, report_word
+from .tiered_state import BufferState, TieredRunner, report_word
 
 _ids = itertools.count(1 << 20)
 
@@ -95,7 +95,7 @@ class StripedPool(PoolFrame):
                 buffer_cfg, gpu_data=self._rows[:, S + 1 :], addresses=lay.capacity
             )
             self._buffer.ctl[int(K.E_MAX_SELECTION)] = lay.max_selection
-            self._buffer_layout = TieredLayout(buffer_cfg, self._buffer)
+            self._buffer_runner = TieredRunner(buffer_cfg, self._buffer)
             self._exchange = RowExchange(
                 lay.world, lay.rank, lay.fetch_width, config.max_group_layers, width, self.device
             )
@@ -376,7 +376,7 @@ class StripedPool(PoolFrame):
         self.inner.reserve_scratch(elements)
         self._census_state.local_for(elements)
         if self._buffer is not None:
-            self._buffer_layout.reserve(elements)
+            self._buffer_runner.reserve(elements)
             self._exchange.buffer_slots_for(elements)
 
     def plan(
@@ -450,10 +450,10 @@ class StripedPool(PoolFrame):
         buffer apply, merge) beside the census, and the all-gather."""
         T, layers, status = flat.numel(), self.config.group_layers(group), census.status
         exchange = self._exchange
-        plan, _ = self._buffer_layout.plan(group, flat, out=exchange.buffer_slots_for(T))
+        plan, _ = self._buffer_runner.plan(group, flat, out=exchange.buffer_slots_for(T))
         slots = torch.empty(T, dtype=torch.int32, device=self.device)
         self.inner.run(self.inner.plan(group, census.local.view(1, T), out=slots))
-        send_slots, fetch_rows, remote = exchange.plan(flat, plan.scratch, slots, self._offset - 1)
+        send_slots, fetch_rows, remote = exchange.route(flat, plan.scratch, slots, self._offset - 1)
         send, gathered = exchange.views(len(layers))
         # The rows of this home's misses, every layer of the group, gathered straight into send.
         torch.index_select(self._rows[layers.start : layers.stop].transpose(0, 1), 0, send_slots, out=send)
@@ -463,7 +463,7 @@ class StripedPool(PoolFrame):
         self._bytes_needed += torch.where(status == 0, remote, 0) * (
             len(layers) * self.config.entry.bytes_per_layer
         )
-        self._buffer_layout.execute(plan, fetched=gathered, fetch_rows=fetch_rows)
+        self._buffer_runner.execute(plan, fetched=gathered, fetch_rows=fetch_rows)
         exchange.merge_slots(census.local, slots, self._offset)
         return slots
 
@@ -517,7 +517,7 @@ class StripedPool(PoolFrame):
             buffer_meta = sum(nbytes(t) for k, t in self._buffer.tensors().items() if k != "gpu_data")
             b.gpu_buffers = nbytes(self._rows) - b.gpu_rows
             exchange = sum(nbytes(t) for t in self._exchange.tensors().values())  # rows and scratch
-            b.gpu_meta += buffer_meta + self._buffer_layout.call_bytes() + exchange
+            b.gpu_meta += buffer_meta + self._buffer_runner.call_bytes() + exchange
         return b
 
     def stats(self) -> dict[str, int]:

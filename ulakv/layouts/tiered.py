@@ -24,7 +24,7 @@ from ..kernels import common as K
 from ..kernels import engine_addresses as engine_mod
 from ..kernels.operands import readable_indices
 from ..transfer import Phase, PlanInterrupted, TransferPlan, interrupt_of
-from .tiered_state import TieredLayout, TieredState
+from .tiered_state import TieredRunner, TieredState
 
 _pool_ids = itertools.count(1)
 
@@ -68,7 +68,7 @@ class TieredPool(PoolFrame):
         )
         # Two call contexts: consecutive groups' calls share no call words or scratch (they may run
         # at once on the adapter's streams). One for a one-group pool: it has no neighbour.
-        self._layout = TieredLayout(self._storage, self._state, contexts=min(2, config.num_groups))
+        self._runner = TieredRunner(self._storage, self._state, contexts=min(2, config.num_groups))
         # Who hands out addresses: the pool (host runs), or the engine (device books, no read-back).
         self._engine: EngineAddresses | None = None
         if config.engine_addresses is not None:
@@ -77,7 +77,7 @@ class TieredPool(PoolFrame):
         else:
             self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
-        contexts = self._layout.contexts  # refusals of non-validating calls, reported by context
+        contexts = self._runner.contexts  # refusals of non-validating calls, reported by context
         self._deferred = DeferredStatus([st.report for st in contexts], [st.ctl for st in contexts])
         # The plan planned last and not yet run to the end: the plan kernel has already taken its
         # slots from the free stacks and the policy, so the next call finishes it first.
@@ -90,8 +90,8 @@ class TieredPool(PoolFrame):
     @property
     def call_contexts(self) -> int:
         """Call contexts: group ``g``'s calls run in context ``g % call_contexts``, and calls in
-        different contexts write no common memory (``TieredLayout``)."""
-        return len(self._layout.contexts)
+        different contexts write no common memory (``TieredRunner``)."""
+        return len(self._runner.contexts)
 
     def gpu_buffer(self, layer: int) -> torch.Tensor:
         """uint8 ``[gpu_slots + 1, bytes_per_layer]``: the rows ``prepare``'s slots index (row
@@ -117,7 +117,7 @@ class TieredPool(PoolFrame):
         prefill write, get scratch of their own instead of replacing it."""
         if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
             raise InvalidInputError(f"reserve_scratch: elements must be a positive int, got {elements!r}")
-        self._layout.reserve(elements)
+        self._runner.reserve(elements)
 
     @property
     def address_space(self) -> int:
@@ -164,7 +164,7 @@ class TieredPool(PoolFrame):
     def _release_addresses(self, addresses: list[range], on_device: torch.Tensor) -> None:
         self._finish_pending()
         if self.device.type != "meta":  # a capacity plan's pool holds no device state to free
-            self._launches += self._layout.release(on_device)
+            self._launches += self._runner.release(on_device)
         self._allocator.give_back(addresses)
         if self._allocator.free == self._allocator.capacity:
             # No request left: put the policy back in its fresh state (invariant 6, exactly).
@@ -220,7 +220,7 @@ class TieredPool(PoolFrame):
             flat, self._state, self._engine.live, self._engine.capacity, admit
         )
         if not admit:
-            self._launches += self._layout.release(flat, checked=True)
+            self._launches += self._runner.release(flat, checked=True)
         self._settle(what)
         self._after_call()
 
@@ -330,7 +330,7 @@ class TieredPool(PoolFrame):
                 write=kwargs.get("rows") is not None,
                 new=None if new is None else new.addresses,
             )
-        plan, launches = self._layout.plan(group, selection, **kwargs)
+        plan, launches = self._runner.plan(group, selection, **kwargs)
         self._launches += launches
         self._raise_if_failed(what, plan)
         self._pending = plan
@@ -349,13 +349,13 @@ class TieredPool(PoolFrame):
             )
         stop = interrupt_of(self)
         if stop is not None and stop < until:
-            self._launches += self._layout.execute(plan, until=stop, in_layers=in_layers)
+            self._launches += self._runner.execute(plan, until=stop, in_layers=in_layers)
             raise PlanInterrupted(
                 f"plan for group {plan.group} interrupted after its {stop.name.lower()} phase; every "
                 "entry is readable at its old home, and the pool finishes the plan before its next call",
                 stop,
             )
-        self._launches += self._layout.execute(plan, until=until, in_layers=in_layers)
+        self._launches += self._runner.execute(plan, until=until, in_layers=in_layers)
         self._pending = None if plan.finished else plan
         if plan.finished:
             self._after_call()
@@ -366,7 +366,7 @@ class TieredPool(PoolFrame):
         if self._pending is not None:
             plan, self._pending = self._pending, None
             if not plan.finished:  # a run whose last step failed after its phases
-                self._launches += self._layout.execute(plan)
+                self._launches += self._runner.execute(plan)
             self._after_call()
 
     def write(self, layer: int, addrs: torch.Tensor, rows: torch.Tensor) -> None:
@@ -391,7 +391,7 @@ class TieredPool(PoolFrame):
         self._check_addresses("read", addrs)
         addrs = readable_indices(addrs.to(self.device))
         self._check_live("read", addrs)
-        return self._layout.read(layer, addrs)
+        return self._runner.read(layer, addrs)
 
     def residency(self, group: int, addrs: torch.Tensor) -> torch.Tensor:
         """GPU slot of each address in ``group``, -1 where it is on the CPU or has no home."""
@@ -412,7 +412,7 @@ class TieredPool(PoolFrame):
         staging = self._storage.layout.cpu_staging * row
         return MemoryReport(
             gpu_rows=nbytes(st.gpu_data),
-            gpu_meta=meta + self._layout.call_bytes(),
+            gpu_meta=meta + self._runner.call_bytes(),
             cpu_rows=nbytes(st.cpu_data) - staging,
             cpu_staging=staging,
         )
@@ -427,7 +427,7 @@ class TieredPool(PoolFrame):
         groups = self.num_groups
         gpu_used = groups * G - int(st.gctl[:, int(K.G_GPU_FREE)].sum())
         cpu_used = groups * C - int(st.gctl[:, int(K.G_CPU_FREE)].sum())
-        counters = dict(zip(K.STAT_NAMES, self._layout.counters().tolist(), strict=False))
+        counters = dict(zip(K.STAT_NAMES, self._runner.counters().tolist(), strict=False))
         return {
             "live_addresses": self.capacity - self.free_addresses,
             "distinct_entries": int((st.mapping >= 0).sum()),
@@ -446,12 +446,12 @@ class TieredPool(PoolFrame):
         """Raise (and clear) an error that a non-validating ``prepare``/``write`` recorded."""
         self._need_kernels("check")
         if self._owned:  # the owner raised or will raise it, in its own words
-            self._layout.clear_pending()
+            self._runner.clear_pending()
             return
-        pending = self._layout.pending()  # a sync: every report has landed
+        pending = self._runner.pending()  # a sync: every report has landed
         refusal = self._deferred.take()
         if pending or refusal is not None:
-            self._layout.clear_pending()
+            self._runner.clear_pending()
             what, call = "an earlier call", None
             if refusal is not None:
                 what, call, pending = refusal.describe(), refusal.call, pending | refusal.status
@@ -491,8 +491,8 @@ class TieredPool(PoolFrame):
         out.update(
             gpu_data=st.gpu_data.clone(),
             cpu_data=st.cpu_data.clone(),
-            stats=self._layout.counters(),
-            pending=torch.tensor(self._layout.pending()),
+            stats=self._runner.counters(),
+            pending=torch.tensor(self._runner.pending()),
         )
         if self._engine is not None:
             out["engine_live"] = self._engine.live.clone()
@@ -568,9 +568,9 @@ def release_runs(pool: TieredPool, addresses: list[range], on_device: torch.Tens
 def context_ctl(pool: TieredPool, group: int) -> torch.Tensor:
     """The control words of the call context ``group`` runs in: a composing pool hands its own
     refusal to the plan about to run there (``ulakv.layouts.census.hand_to``)."""
-    return pool._layout.context(group).ctl
+    return pool._runner.context(group).ctl
 
 
 def context_reports(pool: TieredPool) -> list[torch.Tensor]:
     """Every call context's report word (``ulakv.deferred``), which a composing pool reads too."""
-    return [st.report for st in pool._layout.contexts]
+    return [st.report for st in pool._runner.contexts]

@@ -1,6 +1,6 @@
 """The exclusive tiered layout: every entry on the GPU or on the CPU, never both.
 
-``TieredState`` holds every device tensor of a tiered pool; ``TieredLayout`` runs the kernels of one
+``TieredState`` holds every device tensor of a tiered pool; ``TieredRunner`` runs the kernels of one
 ``prepare`` or ``write`` in order (claim, classify + plan, apply: three launches) and of ``release`` and
 ``read``. Nothing here reads a device value on the host but ``miss_positions`` (a buffer sizes its
 fetch with it; striped and offload pools synchronise by design).
@@ -453,7 +453,7 @@ TRITON = Kernels(lookup_mod.lookup_and_plan, apply_mod.apply)
 REFERENCE = Kernels(lookup_mod.lookup_and_plan_reference, apply_mod.apply_reference).returning_launches()
 
 
-class TieredLayout:
+class TieredRunner:
     """Runs the kernels of a tiered pool over a ``TieredState``.
 
     With ``contexts > 1`` the calls of group ``g`` run in call context ``g % contexts``: its own
