@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ulakv import (
+    PBLRU,
     CPUOffloadBaseline,
     EntrySpec,
     ExactLRU,
@@ -110,6 +111,18 @@ def random_rows(gen: torch.Generator | int, n: int, width: int, *, strided: bool
     if strided:
         return torch.randint(0, 256, (n, 2 * width), dtype=torch.uint8, generator=gen)[:, ::2]
     return torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=gen)
+
+
+def row_of(address: int, layer: int, version: int, width: int) -> torch.Tensor:
+    """``width`` bytes distinct per (address, layer, version): a stale row from an address's
+    earlier life (an older version) or another layer's row reads differently."""
+    return ((torch.arange(width) * 7 + address * 131 + layer * 29 + version * 13) % 251).to(torch.uint8)
+
+
+def policy_cases(buckets: int) -> list:
+    """Both policies as pytest parameters, ids ``lru`` and ``pblru<buckets>``: exact LRU, and PB-LRU
+    with ``buckets`` buckets (a test's pools decide how many make its rounds interesting)."""
+    return [pytest.param(ExactLRU(), id="lru"), pytest.param(PBLRU(buckets), id=f"pblru{buckets}")]
 
 
 def addr_tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:

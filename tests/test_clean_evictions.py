@@ -25,6 +25,7 @@ from helpers import (
     assert_reads,
     assert_same_state,
     fill,
+    policy_cases,
     random_rows,
     release_against_reference,
 )
@@ -36,8 +37,7 @@ from ulakv.policies import ExactLRUModel, PBLRUModel
 from ulakv.policies.cpu_tier import CPUTierModel
 from ulakv.transfer import PlanInterrupted, interrupt_after
 
-POLICIES = [ExactLRU(), PBLRU(3)]
-POLICY_IDS = ["lru", "pblru3"]
+POLICIES = policy_cases(3)
 COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "victims", "clean_evictions")
 
 
@@ -127,7 +127,7 @@ def homes(pool: Pool, group: int) -> dict[int, int]:
 # 1. by hand: swapped in, then evicted clean to the row it came from
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("group", [0, 1], ids=["2-layer-group", "1-layer-short-group"])
 def test_swapped_in_entries_go_back_to_their_rows_clean(policy, group) -> None:
     G = 5
@@ -175,7 +175,7 @@ def test_swapped_in_entries_go_back_to_their_rows_clean(policy, group) -> None:
 # 2. what ends a copy: a rewrite on the GPU, a release (and the slot's next entry)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("rewrite", [True, False], ids=["rewritten", "untouched"])
 def test_a_rewrite_on_the_gpu_ends_the_copy(policy, rewrite) -> None:
     G, W = 4, 5
@@ -213,7 +213,7 @@ def test_a_rewrite_on_the_gpu_ends_the_copy(policy, rewrite) -> None:
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_release_ends_the_copy_and_the_slots_next_entry_does_not_inherit_it(policy) -> None:
     G, W = 4, 5
     pool = tiered(policy, gpu=G, cpu=6, width=W)
@@ -253,7 +253,7 @@ def test_a_release_ends_the_copy_and_the_slots_next_entry_does_not_inherit_it(po
 # 3. the free list: plain rows first, copies at the bottom
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_plain_free_rows_are_handed_out_before_copies(policy) -> None:
     G, W = 6, 5
     pool = tiered(policy, gpu=G, cpu=9, width=W, layers=2, per_group=2)  # one group of two layers
@@ -293,7 +293,7 @@ def test_plain_free_rows_are_handed_out_before_copies(policy) -> None:
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_clean_victims_of_a_prepare_pop_nothing_and_their_misses_fill_the_holes(policy) -> None:
     """A prepare whose misses all come from the CPU: its clean victims pop no row, each miss whose
     victim was clean leaves its row in that victim's copy's place, and the top of the free list (the
@@ -356,7 +356,7 @@ def tight_pool(policy) -> tuple[Pool, RowModel, list[int]]:
     return pool, model, addrs
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_tight_pool_pops_copies_by_hand(policy) -> None:
     pool, model, a = tight_pool(policy)
     rb = row_bytes(pool, 0)
@@ -399,7 +399,7 @@ def test_tight_pool_pops_copies_by_hand(policy) -> None:
     assert pool.stats()["clean_evictions"] == 1
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_copy_popped_by_another_miss_of_the_same_call_is_not_trusted(policy) -> None:
     """The first victim's copy sits just below the top; the call pops two rows, so the second
     victim's row is that copy. The first victim must copy its bytes to the row it popped."""
@@ -431,7 +431,7 @@ def copies_ended(
     return ended
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_tight_traffic_pops_copies_and_loses_nothing(policy) -> None:
     """Random traffic on a tight CPU tier (3 staging rows, odd widths, a short group): every call's
     clean evictions are exactly its victims that went back to an intact copy, its dirty ones cost
@@ -493,7 +493,7 @@ def test_tight_traffic_pops_copies_and_loses_nothing(policy) -> None:
     assert pool.stats()["clean_evictions"] > 0
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_describe_names_the_row_every_victim_lands_in(policy) -> None:
     """``TransferPlan.describe()``, read before the run, says where each victim's entry will live
     and which evictions move no bytes, exactly as the run then does it: the plan's clean victims,
@@ -560,7 +560,7 @@ def tight_scenario(policy) -> tuple[Pool, RowModel, list[int], torch.Tensor]:
     return pool, model, a, addr_tensor([[a[7], a[2]]])
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("phase", ["out", "evict", "in"])
 @pytest.mark.parametrize("scenario", [roomy_scenario, tight_scenario], ids=["roomy", "tight"])
 def test_interrupted_plan_with_clean_victims_equals_an_uninterrupted_run(policy, phase, scenario) -> None:
@@ -664,7 +664,7 @@ def test_stages_match_reference_with_clean_evictions(
     assert rewrote_copies > 0
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_clean_and_dirty_victims_across_chunks_match_reference(policy) -> None:
     """A prepare of more than one CHUNK whose victims are dirty (written on the GPU: no copy),
     clean and popping nothing (copies deeper than the call can pop), or clean after popping a row
@@ -713,7 +713,7 @@ def test_lru_lists_that_fall_short_carry_clean_victims_like_the_others() -> None
 
 
 @pytest.mark.parametrize("write_copies", [False, True], ids=["swap-in-copies", "write-copies"])
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_pool_follows_the_cpu_tier_model_row_for_row(policy, write_copies) -> None:
     """One group of one layer on a tight CPU tier (5 GPU slots, 4 CPU slots, 3 staging rows):
     the policy's model says which addresses move, ``CPUTierModel`` which rows they move to. After

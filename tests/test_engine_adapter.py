@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from helpers import assert_same_state, random_rows
+from helpers import assert_same_state, policy_cases, random_rows
 from nosync import no_host_sync, skip_under_debug
 
 from ulakv import (
@@ -28,7 +28,7 @@ from ulakv.engine import SparseKV
 from ulakv.kernels._triton import count_launches
 
 WIDTH, LAYERS, PER_GROUP = 8, 5, 3  # groups of 3 and 2 layers
-POLICIES = [ExactLRU(), PBLRU(4)]
+POLICIES = policy_cases(4)
 
 
 def engine(
@@ -76,7 +76,7 @@ def selection(rng: random.Random, seqs, batch: int, queries: int, k: int) -> tor
     return torch.tensor(rows, dtype=torch.int64)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru4"])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize(
     ("batch", "prefetch", "bound"), [(1, True, 5), (3, True, 5), (37, True, 5), (37, False, 4)]
 )
@@ -102,7 +102,7 @@ def test_group_step_launches_do_not_grow_with_batch(policy, batch, prefetch, bou
 
 
 @skip_under_debug
-@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru4"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_steps_through_the_adapter_never_sync(policy) -> None:
     """Decode steps through the adapter (prepare per group, each layer waits and reads its rows,
     new tokens written) under a patch that fails any host sync; the bytes read are checked after."""
@@ -139,7 +139,7 @@ def test_steps_through_the_adapter_never_sync(policy) -> None:
 
 
 @skip_under_debug
-@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru4"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_one_layer_groups_step_is_one_plan(policy) -> None:
     """SGLang's shape, one layer a group: each group-step hands its new tokens' rows to ``prepare``
     (``new=``), one plan instead of a write's and a prepare's: two copies into the call scratch,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_state
+from helpers import assert_same_state, row_of
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -39,13 +39,6 @@ def engine_pool(gpu: int, cpu: int, space: int, layers: int = 2, per_group: int 
     )
 
 
-def row_of(address: int, layer: int, generation: int) -> torch.Tensor:
-    """Distinct bytes per (slot, layer, generation): a stale row from a slot's earlier life differs."""
-    return torch.tensor(
-        [address % 251, layer, generation % 251, 7, 1, 2, 3, (address * 31 + layer) % 256], dtype=torch.uint8
-    )
-
-
 class EngineMachine(RuleBasedStateMachine):
     @initialize(gpu=st.integers(3, 8), cpu=st.integers(0, 12), layers=st.integers(1, 3), data=st.data())
     def build(self, gpu: int, cpu: int, layers: int, data: st.DataObject) -> None:
@@ -65,7 +58,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _write_new(self, slots: list[int]) -> None:
         for layer in range(self.layers):
-            rows = torch.stack([row_of(a, layer, self.generation[a]) for a in slots])
+            rows = torch.stack([row_of(a, layer, self.generation[a], 8) for a in slots])
             self.pool.write(layer, torch.tensor(slots), rows)
 
     def _expect_refused(self, error: type[Exception], call) -> None:
@@ -133,7 +126,7 @@ class EngineMachine(RuleBasedStateMachine):
                 if a == -1:
                     assert s == -1
                 else:
-                    assert torch.equal(buf[s], row_of(a, layer, self.generation[a])), (a, layer)
+                    assert torch.equal(buf[s], row_of(a, layer, self.generation[a], 8)), (a, layer)
 
     @rule(data=st.data())
     def bad_input(self, data: st.DataObject) -> None:

@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from helpers import random_rows
+from helpers import policy_cases, random_rows
 
 import ulakv.layouts.tiered as tiered_mod
 from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
@@ -130,11 +130,10 @@ def count_plans(pool) -> list[int]:
     return calls
 
 
-POLICIES = [ExactLRU(), PBLRU(num_buckets=4)]
-IDS = ["lru", "pblru4"]
+POLICIES = policy_cases(4)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_checks_hold_on_a_large_pool(debug, monkeypatch, policy) -> None:
     """400 GPU slots and a CPU tier, top-48 for 5 requests, 30 steps: every plan is checked
     (splits, interrupted and unrun plans included, once each, when finished), with evictions."""
@@ -146,7 +145,7 @@ def test_checks_hold_on_a_large_pool(debug, monkeypatch, policy) -> None:
     assert checks[0] == plans[0] > 300
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_checks_hold_with_the_triton_kernels(debug, monkeypatch, policy) -> None:
     """The same on the kernels the pool ships (interpreted here, hence smaller)."""
     checks = count_checks(monkeypatch)
@@ -335,7 +334,7 @@ def test_planted_defect_only_the_plan_check_catches(debug, policy, choose, messa
     check_invariants(pool._state, pool._allocator)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_planted_defect_in_a_write(debug, policy) -> None:
     """A write of new entries takes slots too: evicting an entry the round's prepare selected
     breaks invariant 4, and only the per-plan check sees it."""

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import row_of
 
 from ulakv import (
     PBLRU,
@@ -44,10 +45,6 @@ def striped_pool(
     )
 
 
-def row_of(address: int, layer: int, version: int) -> torch.Tensor:
-    return ((torch.arange(WIDTH) * 7 + address * 131 + layer * 29 + version * 13) % 251).to(torch.uint8)
-
-
 def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int, attention: str) -> dict:
     policy = PBLRU(3) if policy_name == "pblru3" else ExactLRU()
     pool = striped_pool(rank, world, cpu, policy, attention=attention)
@@ -61,7 +58,7 @@ def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int, atten
             seq = pool.admit(rng.randint(1, 6))
             seqs.append(seq)
             for layer in range(3):
-                rows = torch.stack([row_of(a, layer, step) for a in seq.address_list])
+                rows = torch.stack([row_of(a, layer, step, WIDTH) for a in seq.address_list])
                 pool.write(layer, seq.addresses, rows)
                 expected.update({(layer, a): r for a, r in zip(seq.address_list, rows, strict=True)})
         elif op < 0.4 and seqs:
@@ -70,7 +67,7 @@ def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int, atten
         elif op < 0.5:  # overwrite one layer of entries that may sit in buffers
             layer = rng.randrange(3)
             addrs = rng.sample(live, min(3, len(live)))
-            rows = torch.stack([row_of(a, layer, 100 + step) for a in addrs])
+            rows = torch.stack([row_of(a, layer, 100 + step, WIDTH) for a in addrs])
             pool.write(layer, torch.tensor(addrs), rows)
             expected.update({(layer, a): r for a, r in zip(addrs, rows, strict=True)})
         else:
@@ -102,7 +99,9 @@ def _traffic(rank: int, world: int, cpu: int, policy_name: str, seed: int, atten
     with pytest.raises(CapacityError):
         pool.admit(1)
     for layer in range(3):
-        pool.write(layer, rest.addresses, torch.stack([row_of(a, layer, 0) for a in rest.address_list]))
+        pool.write(
+            layer, rest.addresses, torch.stack([row_of(a, layer, 0, WIDTH) for a in rest.address_list])
+        )
     pool.check_invariants()
     full = pool.stats()
     pool.release(rest)
@@ -144,17 +143,17 @@ def _overwrite_buffered(rank: int, world: int) -> int:
     pool = striped_pool(rank, world, 0, ExactLRU())
     seq = pool.admit(8)
     for layer in range(3):
-        pool.write(layer, seq.addresses, torch.stack([row_of(a, layer, 0) for a in seq.address_list]))
+        pool.write(layer, seq.addresses, torch.stack([row_of(a, layer, 0, WIDTH) for a in seq.address_list]))
     sel = seq.addresses.view(1, 8)
     pool.prepare(0, sel)  # every entry now in every rank's buffer (remote ones fetched)
-    new = torch.stack([row_of(a, 1, 7) for a in seq.address_list])
+    new = torch.stack([row_of(a, 1, 7, WIDTH) for a in seq.address_list])
     pool.write(1, seq.addresses, new)
     before = pool.stats()["misses"]
     slots = pool.prepare(0, sel).slots.flatten()
     assert pool.stats()["misses"] == before  # all hits: nothing fetched again
     assert torch.equal(pool.gpu_buffer(1)[slots.long()], new)
     assert torch.equal(
-        pool.gpu_buffer(0)[slots.long()], torch.stack([row_of(a, 0, 0) for a in seq.address_list])
+        pool.gpu_buffer(0)[slots.long()], torch.stack([row_of(a, 0, 0, WIDTH) for a in seq.address_list])
     )
     return int(slots.max())
 
@@ -176,7 +175,7 @@ def _per_home_bound(rank: int, world: int) -> int:
         )
     )
     seq = pool.admit(20)
-    rows = torch.stack([row_of(a, 0, 0) for a in seq.address_list])
+    rows = torch.stack([row_of(a, 0, 0, WIDTH) for a in seq.address_list])
     pool.write(0, seq.addresses, rows)
     spread = seq.addresses[:8].view(1, 8)  # 4 homed on each rank: 8 > 4 distinct, accepted
     slots = pool.prepare(0, spread).slots.flatten()
@@ -206,7 +205,7 @@ def _one_rank_stalls(rank: int, world: int) -> float | None:
         )
     )
     seq = pool.admit(6)
-    pool.write(0, seq.addresses, torch.stack([row_of(a, 0, 0) for a in seq.address_list]))
+    pool.write(0, seq.addresses, torch.stack([row_of(a, 0, 0, WIDTH) for a in seq.address_list]))
     if rank == 1:
         time.sleep(6.0)  # stalled: never reaches the collective
         return None
@@ -224,7 +223,7 @@ def _bad_input_everywhere(rank: int, world: int) -> int:
     change nothing: the pool works on afterwards."""
     pool = striped_pool(rank, world, 0, ExactLRU())
     seq = pool.admit(6)
-    rows = torch.stack([row_of(a, 0, 0) for a in seq.address_list])
+    rows = torch.stack([row_of(a, 0, 0, WIDTH) for a in seq.address_list])
     pool.write(0, seq.addresses, rows)
     dup = seq.addresses[[0, 1, 0]]
     refused = 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_state, random_rows
+from helpers import assert_same_state, policy_cases, random_rows
 
 from ulakv import (
     PBLRU,
@@ -25,7 +25,7 @@ from ulakv.kernels import common as K
 from ulakv.transfer import Phase, PlanInterrupted, interrupt_after
 
 G, C, WIDTH, LAYERS, PER_GROUP = 6, 10, 12, 4, 3  # groups of 3 and 1 layers
-POLICIES = [ExactLRU(), PBLRU(3)]
+POLICIES = policy_cases(3)  # 3 buckets: rounds retire buckets within these short tests
 
 
 def full_pool(
@@ -62,7 +62,7 @@ def cpu_resident(pool: Pool, group: int, addrs: torch.Tensor) -> torch.Tensor:
     return addrs[pool.residency(group, addrs) < 0]
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("phase", ["out", "evict", "in"])
 @pytest.mark.parametrize("group", [0, 1], ids=["3-layer-group", "1-layer-group"])
 def test_interrupted_plan_leaves_every_entry_readable_and_next_prepare_succeeds(policy, phase, group) -> None:
@@ -95,7 +95,7 @@ def test_interrupted_plan_leaves_every_entry_readable_and_next_prepare_succeeds(
     assert stats["misses"] == 5 and stats["hits"] == 5  # the second prepare found them resident
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("phase", ["out", "in"])
 def test_interrupted_write_is_finished_by_the_next_call(policy, phase) -> None:
     """A write of new tokens into a full GPU tier evicts; stopped after its data moved, the old
@@ -117,7 +117,7 @@ def test_interrupted_write_is_finished_by_the_next_call(policy, phase) -> None:
     assert_all_readable(pool, addrs, expected)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_phases_run_in_steps_equal_one_run(policy) -> None:
     """An engine's split (out + evict + first layer in; the other layers in + commit) ends in the
     same state, bit for bit, as running the plan at once."""
@@ -153,7 +153,7 @@ def test_plan_is_data() -> None:
         pool.run(plan)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_the_run_carries_out_the_plan_it_is_given(policy) -> None:
     """The plan decides and the run executes: swap two evicting misses' decisions in the plan's
     columns (slot, popped row, the victim's row, flags) and the run follows the edited plan, as
@@ -178,7 +178,7 @@ def test_the_run_carries_out_the_plan_it_is_given(policy) -> None:
     assert_all_readable(pool, addrs, expected)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_plan_never_run_is_finished_by_the_next_call(policy) -> None:
     """Planning already took slots from the free stacks and the policy: a plan left unrun is run
     by the next call, and a stale plan cannot be run twice."""
@@ -203,7 +203,7 @@ def test_commit_needs_every_layer() -> None:
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=["lru", "pblru3"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_staging_rows_bound_the_selection(policy) -> None:
     """With 3 staging rows a prepare may select 3 distinct addresses; 4 fail and change nothing
     (PB-LRU's lookup touches no bucket for a call the plan will refuse)."""
