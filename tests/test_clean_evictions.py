@@ -4,11 +4,12 @@ evicted while the copy is intact, it goes back there and no bytes move.
 Worked by hand on small pools (odd widths, a short last group): which evictions are clean and what
 they cost, what ends a copy (a rewrite on the GPU, a release, a pop for someone else), the order in
 which the CPU free list hands out plain rows and copies, and a tight CPU tier whose pops reach the
-copies. Then plans with clean and dirty victims stopped after each phase, the kernels against their
-references under traffic that evicts clean, and a pool against ``CPUTierModel`` row for row.
+copies. Then plans with clean and dirty victims stopped after each phase, and a pool against
+``CPUTierModel`` row for row (the kernels against their references under traffic that evicts clean
+are ``tests/test_kernels_clean.py``'s).
 
 The hand-worked pools here make copies by swap-ins alone (``Tiered(write_copies=False)``), so that a
-row written on the GPU has none; the kernels-against-references and row-for-row tests run both ways.
+row written on the GPU has none; the row-for-row test runs both ways.
 The copies writes make are ``tests/test_write_copies.py``'s.
 """
 
@@ -25,103 +26,26 @@ from helpers import (
     assert_reads,
     assert_same_state,
     fill,
-    policy_cases,
     random_rows,
-    release_against_reference,
 )
-from test_kernels import run_stagewise
+from tier_helpers import (
+    POLICIES,
+    copies,
+    counts,
+    cpu_row,
+    deltas,
+    free_rows,
+    homes,
+    row_bytes,
+    split,
+    tiered,
+)
 
-from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv import ExactLRU, Pool
 from ulakv.kernels import common as K
 from ulakv.policies import ExactLRUModel, PBLRUModel
 from ulakv.policies.cpu_tier import CPUTierModel
 from ulakv.transfer import PlanInterrupted, interrupt_after
-
-POLICIES = policy_cases(3)
-COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "victims", "clean_evictions")
-
-
-def tiered(
-    policy,
-    gpu: int,
-    cpu: int,
-    width: int = 12,
-    layers: int = 3,
-    per_group: int = 2,
-    staging: int | None = None,
-    write_copies: bool = False,
-) -> Pool:
-    return Pool(
-        PoolConfig(
-            entry=EntrySpec(bytes_per_layer=width),
-            num_layers=layers,
-            layers_per_group=per_group,
-            layout=Tiered(
-                gpu_slots=gpu,
-                cpu_slots=cpu,
-                policy=policy,
-                staging_slots=staging,
-                write_copies=write_copies,
-            ),
-            device="cpu",
-        )
-    )
-
-
-def row_bytes(pool: Pool, group: int) -> int:
-    """Bytes one entry of ``group`` holds: what a dirty eviction or a swap-in moves."""
-    return len(pool.group_layers(group)) * pool.config.entry.bytes_per_layer
-
-
-def deltas(before: dict, after: dict) -> dict[str, int]:
-    return {k: after[k] - before[k] for k in COUNTERS}
-
-
-def counts(hits=0, misses=0, bytes_in=0, bytes_out=0, victims=0, clean_evictions=0) -> dict[str, int]:
-    return dict(
-        hits=hits,
-        misses=misses,
-        bytes_in=bytes_in,
-        bytes_out=bytes_out,
-        victims=victims,
-        clean_evictions=clean_evictions,
-    )
-
-
-def split(pool: Pool, group: int, addrs: list[int]) -> tuple[list[int], list[int]]:
-    """``addrs`` homed on the GPU, and those homed on the CPU, in ``group``."""
-    res = pool.residency(group, addr_tensor(addrs)).tolist()
-    on_gpu = [a for a, r in zip(addrs, res, strict=True) if r >= 0]
-    on_cpu = [a for a, r in zip(addrs, res, strict=True) if r < 0]
-    return on_gpu, on_cpu
-
-
-def cpu_row(pool: Pool, group: int, a: int) -> int:
-    """The CPU row that is ``a``'s home in ``group`` (fails if ``a`` lives on the GPU)."""
-    st = pool._state
-    home = int(st.mapping[group, a])
-    assert home >= st.gpu_slots, f"address {a} is not homed on the CPU (mapping {home})"
-    return home - st.gpu_slots
-
-
-def copies(pool: Pool, group: int) -> dict[int, int]:
-    """The copies a clean eviction would trust: {address homed on the GPU: free row with its bytes}."""
-    st = pool._state
-    copy_row, copy_slot = st.copy_row[group].tolist(), st.copy_slot[group].tolist()
-    owner = st.owner[group].tolist()
-    return {owner[s]: r for s, r in enumerate(copy_row) if r >= 0 and copy_slot[r] == s}
-
-
-def free_rows(pool: Pool, group: int) -> list[int]:
-    """The group's free CPU rows, bottom first (pops take the end)."""
-    return pool._state.free_cpu_rows(group).tolist()
-
-
-def homes(pool: Pool, group: int) -> dict[int, int]:
-    """Every homed address's mapping value in ``group``."""
-    mapping = pool._state.mapping[group].tolist()
-    return {a: h for a, h in enumerate(mapping) if h >= 0}
-
 
 # --------------------------------------------------------------------------------------------------
 # 1. by hand: swapped in, then evicted clean to the row it came from
@@ -590,126 +514,7 @@ def test_interrupted_plan_with_clean_victims_equals_an_uninterrupted_run(policy,
 
 
 # --------------------------------------------------------------------------------------------------
-# 6. every kernel against its reference, under traffic that evicts clean
-
-
-KERNEL_CASES = [
-    # id, gpu_slots, cpu_slots, staging, bytes, layers, per group, policy
-    ("lru-short-group-12B", 5, 8, None, 12, 3, 2, ExactLRU()),
-    ("pblru3-short-group-12B", 5, 8, None, 12, 3, 2, PBLRU(3)),
-    ("lru-tight-5B", 4, 3, 2, 5, 3, 2, ExactLRU()),
-    ("pblru3-tight-5B", 4, 3, 2, 5, 3, 2, PBLRU(3)),
-]
-
-
-@pytest.mark.parametrize("write_copies", [False, True], ids=["swap-in-copies", "write-copies"])
-@pytest.mark.parametrize(
-    ("gpu", "cpu", "staging", "width", "layers", "per_group", "policy"),
-    [c[1:] for c in KERNEL_CASES],
-    ids=[c[0] for c in KERNEL_CASES],
-)
-def test_stages_match_reference_with_clean_evictions(
-    gpu, cpu, staging, width, layers, per_group, policy, write_copies
-) -> None:
-    """Admissions, rewrites (on either tier; with write copies, through to an intact copy),
-    prepares (some applied in the engine's split) and releases; each call's stages equal their
-    references, state and scratch, and the state at rest (copies' bytes included) passes the
-    structural check."""
-    pool = tiered(
-        policy,
-        gpu=gpu,
-        cpu=cpu,
-        width=width,
-        layers=layers,
-        per_group=per_group,
-        staging=staging,
-        write_copies=write_copies,
-    )
-    most = pool.config.layout.max_selection
-    rng, gen = random.Random(3), torch.Generator().manual_seed(width)
-    seqs, rewrote_copies = [], 0
-    for _ in range(24):
-        op = rng.choices(["admit", "release", "rewrite", "prepare"], [2, 1, 2, 5])[0]
-        live = [a for s in seqs for a in s.address_list]
-        if (op == "admit" or len(live) < gpu + 2) and pool.free_addresses:
-            seq = pool.admit(rng.randint(1, min(3, pool.free_addresses)))
-            seqs.append(seq)
-            for layer in range(layers):
-                addrs = seq.addresses
-                run_stagewise(
-                    pool, pool.config.group_of(layer), addrs, random_rows(gen, addrs.numel(), width), layer
-                )
-        elif op == "release" and len(seqs) > 1:
-            seq = seqs.pop(rng.randrange(len(seqs)))
-            release_against_reference(pool, seq)
-        elif op == "rewrite":  # of an entry with a copy where there is one: ends it, or writes through
-            with_copies = [x for x in range(layers) if copies(pool, pool.config.group_of(x))]
-            layer = rng.choice(with_copies or list(range(layers)))
-            held = list(copies(pool, pool.config.group_of(layer)))
-            first = rng.choice(held or live)
-            addrs = torch.tensor([first, *rng.sample([x for x in live if x != first], 1)])
-            rewrote_copies += bool(held)
-            run_stagewise(
-                pool, pool.config.group_of(layer), addrs, random_rows(gen, addrs.numel(), width), layer
-            )
-        else:
-            group = rng.randrange(pool.num_groups)
-            picks = rng.sample(live, min(len(live), most))
-            sel = torch.tensor([rng.choice([*picks, -1]) for _ in range(most + 1)])
-            run_stagewise(pool, group, sel, split=rng.random() < 0.5)
-        pool.check_invariants()
-    stats = pool.stats()
-    assert stats["clean_evictions"] > 0
-    assert stats["victims"] > stats["clean_evictions"]
-    assert rewrote_copies > 0
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_clean_and_dirty_victims_across_chunks_match_reference(policy) -> None:
-    """A prepare of more than one CHUNK whose victims are dirty (written on the GPU: no copy),
-    clean and popping nothing (copies deeper than the call can pop), or clean after popping a row
-    (copies deeper than the rows it actually pops) at once: the number of clean victims before each
-    one crosses chunk boundaries, so pops and pushes are placed by a prefix across programs. Every
-    stage equals its reference."""
-    pool = tiered(policy, gpu=1500, cpu=1700, width=4, layers=1, per_group=1)
-    model = RowModel(4)
-    addrs = pool.admit(3000).addresses.tolist()
-    fill(pool, model, addrs, seed=4)
-    run_stagewise(pool, 0, addr_tensor(split(pool, 0, addrs)[1][:1200]))  # 1,200 copies, 500 plain rows
-    later = split(pool, 0, addrs)[1][:1100]
-    sel = addr_tensor(later + later[:200])  # 1,300 elements, duplicates across the chunk boundary
-    s0 = pool.stats()
-    run_stagewise(pool, 0, sel)  # evicts the 300 entries written on the GPU, then 800 swapped in
-    d = deltas(s0, pool.stats())
-    assert d["victims"] == 1100 and 0 < d["clean_evictions"] <= 800, d
-    assert d["bytes_out"] == (1100 - d["clean_evictions"]) * 4
-    assert_reads(pool, model, addrs)
-    pool.check_invariants()
-
-
-def test_lru_lists_that_fall_short_carry_clean_victims_like_the_others() -> None:
-    """Stale pairs crowd the LRU ring's head, so the classify programs' lists hold fewer candidates
-    than the call evicts and the planning program lists more segments itself; the victims found
-    there are clean or not exactly as in a classify program's list. Every stage equals its
-    reference."""
-    pool = tiered(ExactLRU(), gpu=1500, cpu=2000, width=4, layers=1, per_group=1)
-    model = RowModel(4)
-    addrs = pool.admit(3000).addresses.tolist()
-    fill(pool, model, addrs, seed=5)
-    run_stagewise(pool, 0, addr_tensor(split(pool, 0, addrs)[1][:1000]))  # 1,000 in, with copies
-    run_stagewise(pool, 0, addr_tensor(split(pool, 0, addrs)[0][:500]))  # the 500 left re-touched
-    # The ring from its head: 500 stale pairs, the 1,000 swapped in, the 500 re-touched. A
-    # one-chunk prepare of 600 misses lists 1,024 positions (524 candidates) and must list more.
-    run_stagewise(pool, 0, addr_tensor(split(pool, 0, addrs)[1][:600]))
-    assert int(pool._state.ctl[int(K.E_SEG_BLOCKS)]) > 1, "the lists did not fall short"
-    d = pool.stats()
-    assert d["clean_evictions"] == 600, d  # all 600 victims were swapped in, their copies deep
-    assert_reads(pool, model, addrs)
-    pool.check_invariants()
-
-
-# --------------------------------------------------------------------------------------------------
-# 7. a pool against CPUTierModel and the policy's model, row for row
+# 6. a pool against CPUTierModel and the policy's model, row for row
 
 
 @pytest.mark.parametrize("write_copies", [False, True], ids=["swap-in-copies", "write-copies"])

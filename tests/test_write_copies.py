@@ -20,8 +20,8 @@ import itertools
 import pytest
 import torch
 from helpers import RowModel, addr_tensor, assert_reads, assert_same_state, fill, random_rows
-from test_clean_evictions import POLICIES, POLICY_IDS, copies, counts, deltas, free_rows, row_bytes, split
-from test_clean_evictions import tiered as tiered_pool
+from tier_helpers import POLICIES, copies, counts, deltas, free_rows, row_bytes, split
+from tier_helpers import tiered as tiered_pool
 
 from ulakv import ExactLRU
 from ulakv.errors import InvalidAddressError
@@ -46,7 +46,7 @@ def plain_rows(pool, group: int) -> int:
 # 1. a written row's eviction moves nothing
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 @GROUPS
 @pytest.mark.parametrize("write_copies", [True, False], ids=["write-copies", "swap-in-copies-only"])
 def test_a_written_rows_eviction_moves_nothing(policy, group, write_copies) -> None:
@@ -73,7 +73,7 @@ def test_a_written_rows_eviction_moves_nothing(policy, group, write_copies) -> N
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_one_layer_group_writes_one_row_out_per_written_row(policy) -> None:
     """The SGLang case: in a one-layer group a new entry's copy is its written row, one row out per
     row written, as the CPU-offload baseline backs it up; a rewrite through to the copy is one row
@@ -99,7 +99,7 @@ def test_a_one_layer_group_writes_one_row_out_per_written_row(policy) -> None:
 # 2. write-through keeps the copy intact and bit-exact; unwritten layers are zeros
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_write_through_keeps_the_copy_and_unwritten_layers_read_zero(policy) -> None:
     """Group 0 (layers 0 and 1). Four entries written in layer 0 only, then written again: the
     second write goes through to their copies. Four more land on the CPU and swap in, evicting the
@@ -141,7 +141,7 @@ def test_write_through_keeps_the_copy_and_unwritten_layers_read_zero(policy) -> 
 # 3. copies never come from rows that hold other copies; the tier takes them back when it needs rows
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_copies_never_take_rows_that_hold_other_copies(policy) -> None:
     """One-layer group 1 of a pool with 8 CPU rows (6 + 2 staging). Three entries written on the GPU
     take copies from the plain rows (8 -> 5); five more fill the last GPU slot and the CPU: their
@@ -172,7 +172,7 @@ def test_copies_never_take_rows_that_hold_other_copies(policy) -> None:
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("write_copies", [True, False], ids=["write-copies", "swap-in-copies-only"])
 def test_a_write_that_evicts_clean_keeps_its_copies_in_the_rows_its_victims_popped(
     policy, write_copies
@@ -219,7 +219,7 @@ def test_a_write_that_evicts_clean_keeps_its_copies_in_the_rows_its_victims_popp
     assert_reads(pool, model, a + b)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("write_copies", [True, False], ids=["write-copies", "swap-in-copies-only"])
 def test_admission_to_full_capacity_takes_the_copies_back(policy, write_copies) -> None:
     """A copy is free space. A pool of 4 GPU + 6 CPU slots (4 staging) admits 10 entries in three
@@ -265,7 +265,7 @@ def write_scenario(policy):
     return pool, model, a + new, addr_tensor([new[0], left[0], new[1]])
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("phase", ["out", "evict", "in"])
 def test_a_write_stopped_after_each_phase_loses_nothing(policy, layer, phase) -> None:
