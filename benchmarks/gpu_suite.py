@@ -232,7 +232,7 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
     rows = []
     for policy in (ExactLRU(), PBLRU(3)):
         kernels, refs = (make_pool(device, 24, 40, policy, layers=3, per_group=2) for _ in range(2))
-        refs._runner.kernels = REFERENCE
+        refs.internals().runner.kernels = REFERENCE
         rng = random.Random(seed)
         seqs: list[tuple] = []  # (sequence in kernels, sequence in refs): the same addresses
         for call in range(40):
@@ -265,7 +265,7 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
             bad = same_state(kernels, refs)
             if bad is not None:
                 raise AssertionError(f"{policy}: kernels and references differ in {bad!r} after call {call}")
-        st = kernels._state
+        st = kernels.internals().state
         live = torch.tensor([a for s, _ in seqs for a in s.address_list], dtype=torch.int64, device=device)
         for layer in range(3):
             g = layer // 2
@@ -297,10 +297,10 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
     for policy in (ExactLRU(), PBLRU(8)):
         kernels = make_pool(device, G, 2 * G, policy, layers=2, per_group=2)
         refs = make_pool(cpu, G, 2 * G, policy, layers=2, per_group=2)
-        pinned = kernels._runner.state.cpu_data.is_pinned()  # mapped, then registered with CUDA
+        pinned = kernels.internals().runner.state.cpu_data.is_pinned()  # mapped, then registered with CUDA
         if device.type == "cuda" and not pinned:
             raise AssertionError(f"{policy}: the CPU tier is not page-locked for the GPU")
-        refs._runner.kernels = REFERENCE
+        refs.internals().runner.kernels = REFERENCE
         n = 3 * G - T  # nearly full: misses evict once the GPU tier is full
         kernels.admit(n)
         seq_ref = refs.admit(n)  # the same addresses in both (fresh allocators)
@@ -328,8 +328,8 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
             for pool, where in ((kernels, device), (refs, cpu)):
                 plan = pool.plan(0, sel.to(where))
                 if pool is kernels:  # the ring blocks the plan compacts (0: none)
-                    compactions += int(kernels._state.ctl[int(K.E_RING_BLOCKS)]) > 0
-                    seg_blocks = max(seg_blocks, int(kernels._state.ctl[int(K.E_SEG_BLOCKS)]))
+                    compactions += int(kernels.internals().state.ctl[int(K.E_RING_BLOCKS)]) > 0
+                    seg_blocks = max(seg_blocks, int(kernels.internals().state.ctl[int(K.E_SEG_BLOCKS)]))
                 pool.run(plan, until=Phase.IN, in_layers=range(0, 1))  # the engine's split
                 pool.run(plan)
             bad = same_state(kernels, refs)
@@ -337,7 +337,7 @@ def correctness_at_scale(device: torch.device, sizes: Sizes, seed: int = 1) -> l
                 raise AssertionError(f"{policy}: kernels and references differ in {bad!r} after call {call}")
             # Every block of candidate segments was sealed by its last lister, who reset its count
             # (the acquire-release handshake between classify programs that only a GPU races).
-            if kernels._runner.scratch(T).seg_arrivals.any():
+            if kernels.internals().runner.scratch(T).seg_arrivals.any():
                 raise AssertionError(
                     f"{policy}: a segment block's arrival count left non-zero after call {call}"
                 )
@@ -381,7 +381,7 @@ def gather_rows(device: torch.device, sizes: Sizes, ceil: dict[str, float]) -> l
     pool = make_pool(device, G, G, ExactLRU())
     seq = pool.admit(2 * G)
     write_all(pool, seq.addresses, range(1))  # the first G rows on the GPU, the rest on the CPU
-    st = pool._state
+    st = pool.internals().state
     gpu_words, cpu_words = as_words(st.gpu_data[0]), as_words(st.cpu_data[0])
     home = st.mapping[0]
     on_gpu = seq.addresses[home[seq.addresses] < G]

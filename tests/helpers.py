@@ -299,11 +299,11 @@ def assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 def release_against_reference(pool: Pool, seq) -> None:
     """Release ``seq`` through the kernel and, on a copy of the state, through its reference: the
     two states must agree word for word; the allocator takes the addresses back."""
-    st_ref = pool._state.clone()
-    release_mod.release(seq.addresses, pool._state)
+    st_ref = pool.internals().state.clone()
+    release_mod.release(seq.addresses, pool.internals().state)
     release_mod.release_reference(seq.addresses, st_ref)
-    assert_tensors_equal(pool._state.tensors(), st_ref.tensors(), "release: ")
-    pool._allocator.give_back(seq._runs)
+    assert_tensors_equal(pool.internals().state.tensors(), st_ref.tensors(), "release: ")
+    pool.internals().allocator.give_back(seq.runs)
     seq.released = True
 
 

@@ -17,7 +17,7 @@ BUCKETS = 4
 
 
 def word_address(pool, bucket: int, word: int) -> int:
-    st = pool._state
+    st = pool.internals().state
     return st.bits[0].data_ptr() + 4 * (bucket * st.bucket_words + word)
 
 
@@ -38,7 +38,7 @@ def test_a_round_of_hits_sets_each_summary_word_once(hits: int) -> None:
         pool.prepare(0, selection)  # every entry a hit: all move to round 2's bucket
     touched = sum((launch.atomic_lanes for launch in launches), Counter())
     offsets = level_offsets(GPU_SLOTS)
-    bucket = int(pool._state.gctl[0, int(K.G_ROUND)]) % BUCKETS
+    bucket = int(pool.internals().state.gctl[0, int(K.G_ROUND)]) % BUCKETS
     leaf_words = -(-hits // 32)
     # Every hit sets its leaf bit once, each leaf word that turns non-empty its level-1 bit once,
     # each level-1 word that does the top bit once.

@@ -410,17 +410,17 @@ def _prepared(twins: bool, rank: int, world: int) -> tuple[list[str], list[torch
     layout = Striped(world=world, rank=rank, buffer_slots=8, inner=Tiered(gpu_slots=8))
     pool = Pool(PoolConfig(entry=EntrySpec(bytes_per_layer=8), num_layers=1, layout=layout))
     if twins:
-        pool._census_state.kernel = C.census_reference
-        pool._exchange.kernels = row_exchange.REFERENCE
+        pool.internals().census_state.kernel = C.census_reference
+        pool.internals().exchange.kernels = row_exchange.REFERENCE
     seq = pool.admit(12)
     pool.write(0, seq.addresses, (torch.arange(96) % 251).to(torch.uint8).view(12, 8))
     slots, censuses = [], []
     with count_launches() as names:
         slots.append(pool.prepare(0, seq.addresses[:8].view(1, 8).int()).slots)
-    censuses.append(pool._census_state.result.tolist())
+    censuses.append(pool.internals().census_state.result.tolist())
     for topk in (seq.addresses[[9, 0, 9, 1]].view(2, 2), torch.tensor([[-1, 11, 3, -1]])):
         slots.append(pool.prepare(0, topk).slots)
-        censuses.append(pool._census_state.result.tolist())
+        censuses.append(pool.internals().census_state.result.tolist())
     return names, slots, censuses
 
 

@@ -154,7 +154,7 @@ def test_a_release_ends_the_copy_and_the_slots_next_entry_does_not_inherit_it(po
     pool.release(gone_seq)
     model.forget(gone)
     assert copies(pool, 0) == {}
-    assert int(pool._state.copy_row[0, slot]) == -1
+    assert int(pool.internals().state.copy_row[0, slot]) == -1
     assert origin in free_rows(pool, 0)
     # A new entry takes the freed slot; its eviction must copy its own bytes, not trust x's row.
     fresh = pool.admit(1).addresses.tolist()
@@ -407,7 +407,9 @@ def test_tight_traffic_pops_copies_and_loses_nothing(policy) -> None:
         assert (d["victims"], d["clean_evictions"]) == (n_victims, n_clean)
         for g, x, r in copies_ended(pool, before, picked):
             # the row was popped: it is now somebody's home
-            assert r + pool._state.gpu_slots in homes(pool, g).values(), f"copy row {r} of {x} ended unused"
+            assert r + pool.internals().state.gpu_slots in homes(pool, g).values(), (
+                f"copy row {r} of {x} ended unused"
+            )
             ended += 1
             lost.add((g, x))
         assert_reads(pool, model, [x for s in seqs for x in s.address_list])
@@ -424,7 +426,7 @@ def test_describe_names_the_row_every_victim_lands_in(policy) -> None:
     and those whose copy the call's actual pops (fewer than its bound) or their own pop left intact."""
     pool = tiered(policy, gpu=5, cpu=4, width=5, staging=3)
     model, rng, seqs = RowModel(5), random.Random(2), []
-    G, seen = pool._state.gpu_slots, {"fills": 0, "own_pop": 0, "below_the_pops": 0, "dirty": 0}
+    G, seen = pool.internals().state.gpu_slots, {"fills": 0, "own_pop": 0, "below_the_pops": 0, "dirty": 0}
     for _ in range(40):
         live = [x for s in seqs for x in s.address_list]
         if (rng.random() < 0.2 or len(live) < 7) and pool.free_addresses:
@@ -435,14 +437,14 @@ def test_describe_names_the_row_every_victim_lands_in(policy) -> None:
         gpu, cpu = split(pool, group, live)
         misses = rng.randint(1, min(3, len(cpu)))
         sel = addr_tensor([rng.sample(cpu, misses) + rng.sample(gpu, min(len(gpu), 3 - misses))])
-        owner = pool._state.owner[group].clone()
+        owner = pool.internals().state.owner[group].clone()
         s0 = pool.stats()
         plan = pool.plan(group, sel)
         moves = plan.describe()
         pool.run(plan)
         d = deltas(s0, pool.stats())
         evicted = (moves["victim_row"] >= 0) & (owner[moves["gpu_slot"].clamp(min=0)] >= 0)
-        mapping = pool._state.mapping[group]
+        mapping = pool.internals().state.mapping[group]
         landed = zip(moves["gpu_slot"][evicted].tolist(), moves["victim_row"][evicted].tolist(), strict=True)
         for slot, row in landed:
             assert int(mapping[int(owner[slot])]) == G + row, "a victim is not where describe() put it"
@@ -496,11 +498,11 @@ def test_interrupted_plan_with_clean_victims_equals_an_uninterrupted_run(policy,
     d = deltas(s0, whole.stats())
     assert 0 < d["clean_evictions"] < d["victims"], "the plan must have clean and dirty victims"
 
-    homes_before = pool._state.mapping.clone()
+    homes_before = pool.internals().state.mapping.clone()
     with interrupt_after(pool, phase), pytest.raises(PlanInterrupted):
         pool.prepare(0, sel)
     if phase == "out":  # data only: no home moved
-        assert torch.equal(pool._state.mapping, homes_before)
+        assert torch.equal(pool.internals().state.mapping, homes_before)
     assert_reads(pool, model, addrs)  # every entry readable at the home its mapping names
 
     # The next call (another group) finishes the plan first; the two pools are then identical.
@@ -546,7 +548,9 @@ def test_pool_follows_the_cpu_tier_model_row_for_row(policy, write_copies) -> No
     def agree(step: int) -> None:
         where = f"step {step}: "
         assert free_rows(pool, 0) == tier.free_rows(), where + "free list"
-        assert int(pool._state.gctl[0, int(K.G_CPU_PLAIN)]) == tier.plain, where + "plain rows on top"
+        assert int(pool.internals().state.gctl[0, int(K.G_CPU_PLAIN)]) == tier.plain, (
+            where + "plain rows on top"
+        )
         stats = pool.stats()
         assert stats["clean_evictions"] == tier.clean_evictions, where + "clean evictions"
         assert stats["bytes_out"] == bytes_out, where + "bytes out"

@@ -103,7 +103,9 @@ def test_an_engine_admit_marks_one_block_a_program() -> None:
             pool.admit_addresses(locs)
         counts[groups] = [(launch.kernel, launch.programs, launch.busiest) for launch in launches]
         assert pool.live_addresses().tolist() == sorted(locs.tolist())
-        assert (pool._state.mapping[:, locs] == int(K.M_UNHOMED)).all()  # live, no home yet, every group
+        assert (
+            pool.internals().state.mapping[:, locs] == int(K.M_UNHOMED)
+        ).all()  # live, no home yet, every group
     check, mark = counts[5]
     assert counts[1] == [check, ("mark_live_kernel", 3, mark[2])]
     assert mark[:2] == ("mark_live_kernel", 5 * 3) and mark[2] < 5

@@ -622,12 +622,16 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def private_reads(package: Path) -> list[str]:
+def private_reads(package: Path, owners: tuple[Path, ...] = ()) -> list[str]:
     """Every ``obj._name`` in a module of ``package`` where ``obj`` is not ``self``, ``cls`` or
-    ``super()`` and ``_name`` is a private attribute or method that classes of *other* modules of the
-    package define (a method, a class-level name, or ``self._name = ...``) and this module does not:
-    ``module:line: expression``. Another library's privates (``torch._C``) are not the package's."""
+    ``super()`` and ``_name`` is a private attribute or method that classes of *other* modules
+    define (a method, a class-level name, or ``self._name = ...``; the modules of ``package`` and
+    of ``owners``) and this module does not: ``module:line: expression``. Another library's
+    privates (``torch._C``) are not ours."""
     trees = {path: ast.parse(path.read_text()) for path in sorted(package.rglob("*.py"))}
+    scanned = dict(trees)
+    for owner in owners:
+        trees.update({path: ast.parse(path.read_text()) for path in sorted(owner.rglob("*.py"))})
     defined: dict[str, set[Path]] = {}
     for path, tree in trees.items():
         for node in ast.walk(tree):
@@ -651,7 +655,7 @@ def private_reads(package: Path) -> list[str]:
                 if _private(name):
                     defined.setdefault(name, set()).add(path)
     found = []
-    for path, tree in trees.items():
+    for path, tree in scanned.items():
         for node in ast.walk(tree):
             if not isinstance(node, ast.Attribute) or not _private(node.attr):
                 continue
@@ -670,6 +674,13 @@ def test_no_module_reads_another_modules_private_attributes() -> None:
     """The package's own modules talk through public names (``Pool.memory()``, ``Sequence.runs``,
     ``layouts.tiered.take_exact`` and the other slice functions, ``transfer.interrupt_of``)."""
     assert private_reads(ROOT / "ulakv") == []
+
+
+def test_tests_and_benchmarks_read_the_packages_privates_only_through_the_testing_hook() -> None:
+    """``pool.internals()`` (``ulakv.frame.Internals``) is the one way a test or a benchmark sees
+    what a pool keeps."""
+    for where in ("tests", "benchmarks"):
+        assert private_reads(ROOT / where, owners=(ROOT / "ulakv",)) == [], where
 
 
 def test_the_private_read_check_finds_a_planted_read(tmp_path: Path) -> None:

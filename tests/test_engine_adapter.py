@@ -164,7 +164,7 @@ def test_a_one_layer_groups_step_is_one_plan(policy) -> None:
             rows = random_rows(gen, 10, WIDTH)
             pool.write(layer, seq.addresses, rows)
             expected.update({(layer, a): r for a, r in zip(seq.addresses.tolist(), rows, strict=True)})
-    scratch = [pool._runner.scratch(1, group) for group in range(3)]
+    scratch = [pool.internals().runner.scratch(1, group) for group in range(3)]
     steps = []
     for _ in range(4):
         new_addrs = torch.cat([pool.extend(seq, 1) for seq in seqs])
@@ -195,7 +195,7 @@ def test_a_one_layer_groups_step_is_one_plan(policy) -> None:
                     (group, sel, pool.gpu_buffer(group)[step.wait(group).clamp(min=0).long()].clone())
                 )
     pool.check()
-    assert all(pool._runner.scratch(1, group) is scratch[group] for group in range(3))
+    assert all(pool.internals().runner.scratch(1, group) is scratch[group] for group in range(3))
     assert pool.stats()["victims"] > 0
     for layer, sel, got in read:
         for a, row in zip(sel.reshape(-1).tolist(), got.reshape(-1, WIDTH), strict=True):
@@ -209,25 +209,25 @@ def test_steps_use_fixed_buffers() -> None:
     and the call scratch is the one sized at construction."""
     pool, kv = engine(ExactLRU(), gpu=40, cpu=40, max_batch=5, top_k=6, queries=3)
     seqs, _ = fill(pool, kv, requests=3, tokens=20)
-    scratch = [pool._runner.scratch(1, group) for group in range(pool.num_groups)]
+    scratch = [pool.internals().runner.scratch(1, group) for group in range(pool.num_groups)]
     assert all(sc.capacity >= 5 * 3 * 6 for sc in scratch)
     rng = random.Random(1)
     for batch in (5, 2, 4):
         for group in range(pool.num_groups):
             step = kv.prepare(group, selection(rng, seqs, batch, 3, 6))
-            assert step.slots.data_ptr() == kv._slots[group].data_ptr()
-            assert pool._runner.scratch(1, group) is scratch[group]
+            assert step.slots.data_ptr() == kv.internals().slots[group].data_ptr()
+            assert pool.internals().runner.scratch(1, group) is scratch[group]
 
 
 def test_a_long_prefill_keeps_the_reserved_scratch() -> None:
     """A write larger than the adapter's bound (a prefill) gets scratch of its own: the scratch a
     captured step points at is never replaced."""
     pool, kv = engine(ExactLRU(), gpu=64, cpu=2100, max_batch=1, top_k=8, validate=True)
-    scratch = pool._runner.scratch(1, 0)
+    scratch = pool.internals().runner.scratch(1, 0)
     seq = pool.admit(2000)  # > CHUNK elements: needs a scratch twice the reserved one
     rows = random_rows(torch.Generator().manual_seed(2), 2000, WIDTH)
     kv.write(0, seq.addresses, rows)
-    assert pool._runner.scratch(1, 0) is scratch
+    assert pool.internals().runner.scratch(1, 0) is scratch
     assert torch.equal(pool.read(0, seq.addresses), rows)
     bad = seq.addresses.clone()
     bad[1500] = 10**6

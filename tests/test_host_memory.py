@@ -69,7 +69,7 @@ def test_available_memory_is_read_from_the_kernel() -> None:
 
 def test_stats_report_the_tiers_host_bytes() -> None:
     pool = small_pool(gpu_slots=5, cpu_slots=11, bytes_per_layer=12, num_layers=3, layers_per_group=1)
-    tier = pool._runner.state.cpu_data  # 3 layers of the CPU rows (staging included) + 1, of 12 B
+    tier = pool.internals().runner.state.cpu_data  # 3 layers of the CPU rows (staging included) + 1, of 12 B
     assert tier.shape[0] == 3 and tier.shape[2] == 12
     asked = tier.nbytes
     stats = pool.stats()

@@ -44,8 +44,8 @@ def build(policy, gpu_slots: int, cpu_slots: int, num_layers: int, per_group: in
             layout=Tiered(gpu_slots=gpu_slots, cpu_slots=cpu_slots, policy=policy),
         )
     )
-    assert pool._debug  # the environment was read when the pool was built
-    pool._runner.kernels = kernels
+    assert pool.internals().debug  # the environment was read when the pool was built
+    pool.internals().runner.kernels = kernels
     return pool
 
 
@@ -120,13 +120,13 @@ def count_checks(monkeypatch) -> list[int]:
 
 def count_plans(pool) -> list[int]:
     calls = [0]
-    kernels = pool._runner.kernels
+    kernels = pool.internals().runner.kernels
 
     def plan(*args) -> int:
         calls[0] += 1
         return kernels.plan(*args)
 
-    pool._runner.kernels = Kernels(plan, kernels.apply)
+    pool.internals().runner.kernels = Kernels(plan, kernels.apply)
     return calls
 
 
@@ -170,13 +170,13 @@ def test_no_snapshot_and_no_check_with_debug_off(monkeypatch) -> None:
             entry=EntrySpec(bytes_per_layer=WIDTH), num_layers=1, layout=Tiered(gpu_slots=8, cpu_slots=8)
         )
     )
-    pool._runner.kernels = REFERENCE
+    pool.internals().runner.kernels = REFERENCE
     gen = torch.Generator().manual_seed(0)
     seq = pool.admit(12)
     write_all(pool, seq.addresses, gen)
     pool.prepare(0, seq.addresses[:6].view(2, 3))
     pool.check_invariants()
-    assert pool._audit is None
+    assert pool.internals().audit is None
 
 
 # -- planted defects ---------------------------------------------------------------------------
@@ -324,14 +324,14 @@ DEFECTS = [
 )
 def test_planted_defect_only_the_plan_check_catches(debug, policy, choose, message) -> None:
     pool, selection = scenario(policy)
-    check_invariants(pool._state, pool._allocator)
-    pool._runner.kernels = corrupting(choose)
+    check_invariants(pool.internals().state, pool.internals().allocator)
+    pool.internals().runner.kernels = corrupting(choose)
     with pytest.raises(InvariantError, match=message):
         pool.prepare(0, torch.tensor(selection).view(2, -1))
     # The raise came after PoolFrame._after_call's structural check had passed on the corrupted
     # state, and that check still passes: the defect is one that only the per-plan check sees.
-    assert pool._pending is None and pool._audit is None
-    check_invariants(pool._state, pool._allocator)
+    assert pool.internals().pending is None and pool.internals().audit is None
+    check_invariants(pool.internals().state, pool.internals().allocator)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -340,11 +340,11 @@ def test_planted_defect_in_a_write(debug, policy) -> None:
     breaks invariant 4, and only the per-plan check sees it."""
     pool, _ = scenario(policy)
     seq = pool.admit(6)
-    pool._runner.kernels = corrupting(used_this_round)
+    pool.internals().runner.kernels = corrupting(used_this_round)
     rows = random_rows(torch.Generator().manual_seed(1), 6, WIDTH)
     with pytest.raises(InvariantError, match=r"invariant 4: .* used this round"):
         pool.write(0, seq.addresses, rows)
-    check_invariants(pool._state, pool._allocator)
+    check_invariants(pool.internals().state, pool.internals().allocator)
 
 
 def hits_not_touched(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, n_new=0) -> int:
@@ -386,10 +386,10 @@ def test_planted_recency_defect_only_the_plan_check_catches(debug, policy, kerne
     """The decisions of this call are right, but the recency they leave behind is not. The state
     after the plan, compared with the policy's rules applied to the snapshot, shows it."""
     pool, selection = scenario(policy)
-    pool._runner.kernels = kernels
+    pool.internals().runner.kernels = kernels
     with pytest.raises(InvariantError, match=f"invariant {message}"):
         pool.prepare(0, torch.tensor(selection).view(2, -1))
-    check_invariants(pool._state, pool._allocator)
+    check_invariants(pool.internals().state, pool.internals().allocator)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -492,9 +492,9 @@ STRUCTURAL = [
 )
 def test_the_structural_check_sees_each_kind_of_damage(policy, gpu_slots, damage, message) -> None:
     pool, addrs = _at_rest(policy or ExactLRU(), gpu_slots)  # 40 slots: a summary level exists
-    damage(pool._state, addrs)
+    damage(pool.internals().state, addrs)
     with pytest.raises(InvariantError, match=message):
-        check_invariants(pool._state, pool._allocator)
+        check_invariants(pool.internals().state, pool.internals().allocator)
 
 
 # -- copies: the rows a clean eviction would trust -----------------------------------------------
@@ -546,11 +546,11 @@ COPY_DAMAGE = [
 )
 def test_the_structural_check_sees_each_kind_of_damage_to_copies(policy, damage, message) -> None:
     pool, addrs = _at_rest(policy, 6)
-    st = pool._state
-    check_invariants(st, pool._allocator, pool.config.group_layers)  # sound, bytes included
+    st = pool.internals().state
+    check_invariants(st, pool.internals().allocator, pool.config.group_layers)  # sound, bytes included
     damage(st, addrs)
     with pytest.raises(InvariantError, match=message):
-        check_invariants(st, pool._allocator, pool.config.group_layers)
+        check_invariants(st, pool.internals().allocator, pool.config.group_layers)
 
 
 def test_the_copy_check_compares_every_layer_of_the_group() -> None:
@@ -567,10 +567,10 @@ def test_the_copy_check_compares_every_layer_of_the_group() -> None:
     seq = pool.admit(num_tokens=8)
     write_all(pool, seq.addresses, torch.Generator().manual_seed(2))
     pool.prepare(0, seq.addresses[[5]].view(1, 1))  # on the CPU: swaps in, leaving a copy
-    st = pool._state
-    check_invariants(st, pool._allocator, pool.config.group_layers)
+    st = pool.internals().state
+    check_invariants(st, pool.internals().allocator, pool.config.group_layers)
     _, row = _a_copy(st)
     st.cpu_data[1, row, 0] ^= 0x80
-    check_invariants(st, pool._allocator)  # bytes unchecked
+    check_invariants(st, pool.internals().allocator)  # bytes unchecked
     with pytest.raises(InvariantError, match="no longer holds its GPU slot's bytes"):
-        check_invariants(st, pool._allocator, pool.config.group_layers)
+        check_invariants(st, pool.internals().allocator, pool.config.group_layers)

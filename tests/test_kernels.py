@@ -55,7 +55,7 @@ def run_stagewise(
 ) -> None:
     """One call, stage by stage, each stage checked against its reference on a cloned copy;
     ``split`` runs the apply in the phase steps an engine with cross-layer prefetch uses."""
-    layout = pool._runner
+    layout = pool.internals().runner
     st = layout.state
     T = flat.numel()
     scratch = layout.scratch(T)
@@ -143,7 +143,7 @@ def test_failed_call_stages_match_reference() -> None:
     pool.release(seq)
     keep = pool.admit(2)
     run_stagewise(pool, 0, torch.tensor([keep.address_list[0], 4, 40, -1]))
-    assert int(pool._state.ctl[int(K.E_PENDING)]) & int(K.ST_BAD_ADDRESS)
+    assert int(pool.internals().state.ctl[int(K.E_PENDING)]) & int(K.ST_BAD_ADDRESS)
 
 
 def test_selection_spanning_chunks_matches_reference() -> None:
@@ -276,8 +276,8 @@ def test_victims_found_across_segment_blocks(block, monkeypatch: pytest.MonkeyPa
     for step in range(4):
         picks = rng.sample(range(3000), 700 + 150 * step)
         run_stagewise(pool, 0, seq.addresses[picks])
-        summed.add(int(pool._state.ctl[int(K.E_SEG_BLOCKS)]))
-        assert not pool._runner.scratch(1).seg_arrivals.any()
+        summed.add(int(pool.internals().state.ctl[int(K.E_SEG_BLOCKS)]))
+        assert not pool.internals().runner.scratch(1).seg_arrivals.any()
         pool.check_invariants()
     if block == 2:
         assert max(summed) > 2, summed  # victims past the cold bucket's blocks
@@ -312,7 +312,7 @@ def test_ring_compaction_across_blocks_matches_reference(split: bool, slots, mon
     gen, rng = torch.Generator().manual_seed(11), random.Random(11)
     seq = pool.admit(1000)
     run_stagewise(pool, 0, seq.addresses, random_rows(gen, 1000, 4), 0)  # 601 on the GPU
-    st, Qcap = pool._state, pool._state.q_slot.shape[1]
+    st, Qcap = pool.internals().state, pool.internals().state.q_slot.shape[1]
     hot = rng.sample(range(1000), 100)
     compacted, dropped, wrapped = 0, 0, False  # two-block compactions, with pairs dropped, across the end
     for step in range(24):
@@ -338,11 +338,11 @@ def test_ring_compaction_across_blocks_matches_reference(split: bool, slots, mon
 def test_epoch_wrap_clears_scratch_identically() -> None:
     pool = small_pool()
     seq = pool.admit(4)
-    pool._state.ctl[int(K.E_EPOCH)] = K.EPOCH_LIMIT - 1
-    pool._state.claim.fill_(123)
+    pool.internals().state.ctl[int(K.E_EPOCH)] = K.EPOCH_LIMIT - 1
+    pool.internals().state.claim.fill_(123)
     run_stagewise(pool, 0, seq.addresses)
-    assert int(pool._state.ctl[int(K.E_EPOCH)]) == 1
-    assert int(pool._state.claim.sum()) == 0
+    assert int(pool.internals().state.ctl[int(K.E_EPOCH)]) == 1
+    assert int(pool.internals().state.claim.sum()) == 0
     sel = pool.prepare(0, seq.addresses.reshape(2, 2))  # dedup still works after the reset
     assert sel.slots.unique().numel() == 4
 
@@ -353,7 +353,7 @@ def test_gather_matches_reference(width) -> None:
     gen = torch.Generator().manual_seed(width)
     seq = pool.admit(7)
     pool.write(1, seq.addresses[:5], random_rows(gen, 5, width))  # 2 of 7 never written: zeros
-    st = pool._state
+    st = pool.internals().state
     addrs = seq.addresses.flip(0)
     for layer in range(2):
         gpu, cpu = as_words(st.gpu_data[layer]), as_words(st.cpu_data[layer])

@@ -124,7 +124,7 @@ def test_lru_lists_that_fall_short_carry_clean_victims_like_the_others() -> None
     # The ring from its head: 500 stale pairs, the 1,000 swapped in, the 500 re-touched. A
     # one-chunk prepare of 600 misses lists 1,024 positions (524 candidates) and must list more.
     run_stagewise(pool, 0, addr_tensor(split(pool, 0, addrs)[1][:600]))
-    assert int(pool._state.ctl[int(K.E_SEG_BLOCKS)]) > 1, "the lists did not fall short"
+    assert int(pool.internals().state.ctl[int(K.E_SEG_BLOCKS)]) > 1, "the lists did not fall short"
     d = pool.stats()
     assert d["clean_evictions"] == 600, d  # all 600 victims were swapped in, their copies deep
     assert_reads(pool, model, addrs)

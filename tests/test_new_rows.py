@@ -43,7 +43,7 @@ def tiered(policy, gpu: int, cpu: int, per_group: int = 1, layers: int = 2, writ
 def with_references(pool):
     """A deep copy of ``pool`` whose calls run the kernels' plain references."""
     twin = copy.deepcopy(pool)
-    twin._runner.kernels = REFERENCE
+    twin.internals().runner.kernels = REFERENCE
     return twin
 
 
@@ -131,7 +131,7 @@ def test_one_plan_passes_the_plan_audit(policy, monkeypatch) -> None:
     evicted, every element's home, the recency after): one plan's new tokens are misses like any."""
     monkeypatch.setenv("ULAKV_DEBUG", "1")
     pool = tiered(policy, gpu=4, cpu=40)
-    assert pool._debug
+    assert pool.internals().debug
     model = RowModel(WIDTH)
     seq = pool.admit(6)
     addrs = seq.addresses.tolist()
@@ -258,7 +258,7 @@ def test_a_refused_one_plan_is_raised_by_the_next_call_when_not_validating() -> 
     """Validation off (the CUDA default): the refusal is reported in the report word, nothing
     changed, and the next call raises it, naming a prepare."""
     pool, _model, seq, addrs = loaded()
-    pool._validate = False
+    pool.internals().validate = False
     new = pool.extend(seq, 2)
     before = pool.state_dict()
     bad = torch.tensor([addrs[0], int(new[0])])
@@ -363,7 +363,12 @@ def test_new_tokens_take_the_free_slots_first(policy) -> None:
     seq = pool.admit(6)
     addrs = seq.addresses.tolist()
     fill(pool, model, addrs, seed=6)
-    free_top = pool._state.gpu_free[0, : int(pool._state.gctl[0, int(K.G_GPU_FREE)])].flip(0).tolist()
+    free_top = (
+        pool.internals()
+        .state.gpu_free[0, : int(pool.internals().state.gctl[0, int(K.G_GPU_FREE)])]
+        .flip(0)
+        .tolist()
+    )
     new = pool.extend(seq, 3)
     rows = random_rows(7, 3, WIDTH)
     s0 = pool.stats()
@@ -449,11 +454,11 @@ def test_a_repeat_among_the_new_is_refused_whichever_position_claims_first() -> 
     repeat."""
     pool, model, seq, addrs = loaded()
     new = pool.extend(seq, 3)
-    epoch = int(pool._state.ctl[int(K.E_EPOCH)])
+    epoch = int(pool.internals().state.ctl[int(K.E_EPOCH)])
     key = lambda pos: (epoch << 32) | (int(K.POS_MASK) - pos)
     twice = new.clone()
     twice[2] = twice[0]  # positions 0 and 2 among the new
-    pool._state.claim[int(twice[0])] = key(2)  # position 2 claimed first
+    pool.internals().state.claim[int(twice[0])] = key(2)  # position 2 claimed first
     expect_rejected(
         pool,
         InvalidAddressError,
@@ -462,9 +467,9 @@ def test_a_repeat_among_the_new_is_refused_whichever_position_claims_first() -> 
         ),
         addrs,
     )
-    epoch = int(pool._state.ctl[int(K.E_EPOCH)])
+    epoch = int(pool.internals().state.ctl[int(K.E_EPOCH)])
     sel = addr_tensor([addrs[0], int(new[1])]).view(1, 2)  # element 3 + 1 = position 4 names new[1]
-    pool._state.claim[int(new[1])] = key(3 + 1)  # the selection's occurrence claimed first
+    pool.internals().state.claim[int(new[1])] = key(3 + 1)  # the selection's occurrence claimed first
     rows = random_rows(4, 3, WIDTH)
     pool.prepare(0, sel, new=NewRows(0, new, rows))
     model.record(0, new, rows)

@@ -75,7 +75,7 @@ def test_interrupted_plan_leaves_every_entry_readable_and_next_prepare_succeeds(
         pool.prepare(group, sel)
     assert info.value.phase == Phase[phase.upper()]
 
-    mapping = pool._state.mapping[group]
+    mapping = pool.internals().state.mapping[group]
     if phase == "out":  # data moved, no mapping changed yet
         assert torch.equal(mapping, homes_before)
     else:  # victims moved to the CPU; the selected entries still live on the CPU
@@ -140,7 +140,7 @@ def test_plan_is_data() -> None:
     and each victim's CPU row was free before the call."""
     pool, addrs, _ = full_pool(ExactLRU())
     sel = cpu_resident(pool, 0, addrs)[:4].reshape(1, 4)
-    before = pool._state.mapping[0].clone()
+    before = pool.internals().state.mapping[0].clone()
     plan = pool.plan(0, sel)
     moves = plan.describe()
     assert torch.equal(moves["address"], sel.reshape(-1))
@@ -168,12 +168,12 @@ def test_the_run_carries_out_the_plan_it_is_given(policy) -> None:
     moves[decided, :2] = moves[decided, :2].flip(1).clone()
     edited = plan.describe()
     assert torch.equal(edited["gpu_slot"], before["gpu_slot"].flip(0))
-    owner = pool._state.owner[0].clone()
+    owner = pool.internals().state.owner[0].clone()
     pool.run(plan)
     slots = pool.residency(0, sel).view(-1)
     assert torch.equal(slots[edited["position"]].long(), edited["gpu_slot"])
     victims = owner[edited["gpu_slot"]]
-    assert torch.equal(pool._state.mapping[0][victims].long() - G, edited["victim_row"])
+    assert torch.equal(pool.internals().state.mapping[0][victims].long() - G, edited["victim_row"])
     pool.check_invariants()
     assert_all_readable(pool, addrs, expected)
 

@@ -39,7 +39,7 @@ def tiered(policy, gpu: int, cpu: int, staging: int | None = None, write_copies:
 
 def plain_rows(pool, group: int) -> int:
     """The plain rows on top of the group's free list (``G_CPU_PLAIN``)."""
-    return int(pool._state.gctl[group, int(K.G_CPU_PLAIN)])
+    return int(pool.internals().state.gctl[group, int(K.G_CPU_PLAIN)])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_write_through_keeps_the_copy_and_unwritten_layers_read_zero(policy) -> 
     s0 = pool.stats()
     pool.prepare(0, addr_tensor(later).view(1, 4))
     assert deltas(s0, pool.stats())["clean_evictions"] == 4
-    assert {x: int(pool._state.mapping[0, x]) - 4 for x in first} == copied  # back to their copies
+    assert {x: int(pool.internals().state.mapping[0, x]) - 4 for x in first} == copied  # back to their copies
     assert_reads(pool, model, a)  # layer 1 of ``first``: zeros
     assert torch.equal(pool.read(1, addr_tensor(first)), torch.zeros(4, 12, dtype=torch.uint8))
 
@@ -278,11 +278,11 @@ def test_a_write_stopped_after_each_phase_loses_nothing(policy, layer, phase) ->
     assert d["victims"] == 1 and d["clean_evictions"] == 1, d
     assert sel[1].item() in copies(whole, 0), "the rewritten entry keeps its copy"
     assert sel[0].item() in copies(whole, 0), "the new entry on the GPU has a copy"
-    mapping_before = pool._state.mapping.clone()
+    mapping_before = pool.internals().state.mapping.clone()
     with interrupt_after(pool, phase), pytest.raises(PlanInterrupted):
         pool.write(layer, sel, rows)
     if phase == "out":  # data only: no home moved
-        assert torch.equal(pool._state.mapping, mapping_before)
+        assert torch.equal(pool.internals().state.mapping, mapping_before)
     assert_reads(pool, model, [x for x in addrs if x not in sel.tolist()])
     # The next call (another group) finishes the write first; the pools are then identical.
     for p in (whole, pool):
@@ -303,4 +303,4 @@ def test_a_refused_write_makes_no_copy() -> None:
     with pytest.raises(InvalidAddressError, match="more than once"):
         pool.write(2, addr_tensor([seq.address_list[0], seq.address_list[0]]), random_rows(1, 2, 12))
     assert_same_state(before, pool.state_dict())
-    assert plain_rows(pool, 1) == pool._state.cpu_slots
+    assert plain_rows(pool, 1) == pool.internals().state.cpu_slots

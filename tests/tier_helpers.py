@@ -69,7 +69,7 @@ def split(pool: Pool, group: int, addrs: list[int]) -> tuple[list[int], list[int
 
 def cpu_row(pool: Pool, group: int, a: int) -> int:
     """The CPU row that is ``a``'s home in ``group`` (fails if ``a`` lives on the GPU)."""
-    st = pool._state
+    st = pool.internals().state
     home = int(st.mapping[group, a])
     assert home >= st.gpu_slots, f"address {a} is not homed on the CPU (mapping {home})"
     return home - st.gpu_slots
@@ -77,7 +77,7 @@ def cpu_row(pool: Pool, group: int, a: int) -> int:
 
 def copies(pool: Pool, group: int) -> dict[int, int]:
     """The copies a clean eviction would trust: {address homed on the GPU: free row with its bytes}."""
-    st = pool._state
+    st = pool.internals().state
     copy_row, copy_slot = st.copy_row[group].tolist(), st.copy_slot[group].tolist()
     owner = st.owner[group].tolist()
     return {owner[s]: r for s, r in enumerate(copy_row) if r >= 0 and copy_slot[r] == s}
@@ -85,10 +85,10 @@ def copies(pool: Pool, group: int) -> dict[int, int]:
 
 def free_rows(pool: Pool, group: int) -> list[int]:
     """The group's free CPU rows, bottom first (pops take the end)."""
-    return pool._state.free_cpu_rows(group).tolist()
+    return pool.internals().state.free_cpu_rows(group).tolist()
 
 
 def homes(pool: Pool, group: int) -> dict[int, int]:
     """Every homed address's mapping value in ``group``."""
-    mapping = pool._state.mapping[group].tolist()
+    mapping = pool.internals().state.mapping[group].tolist()
     return {a: h for a, h in enumerate(mapping) if h >= 0}

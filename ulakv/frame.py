@@ -105,6 +105,30 @@ class MemoryReport:
         return self.cpu_rows + self.cpu_staging
 
 
+class Internals:
+    """The testing hook (``pool.internals()``): an object's private attributes without their
+    underscore, read and set through (``pool.internals().state`` is the pool's state). For tests and
+    tools that check a pool's state or inject a fault into it; not for serving: what is there
+    changes with the implementation. Nothing in the package reads another module's private
+    attributes (``tests/test_design_doc.py``); the tests do it through this hook only."""
+
+    def __init__(self, owner: object) -> None:
+        object.__setattr__(self, "owner", owner)
+
+    def __getattr__(self, name: str) -> object:
+        owner = object.__getattribute__(self, "owner")
+        try:
+            return getattr(owner, "_" + name)
+        except AttributeError:
+            raise AttributeError(f"{type(owner).__name__} keeps no {name!r}") from None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        owner = object.__getattribute__(self, "owner")
+        if not hasattr(owner, "_" + name):
+            raise AttributeError(f"{type(owner).__name__} keeps no {name!r}")
+        setattr(owner, "_" + name, value)
+
+
 def nbytes(t: torch.Tensor) -> int:
     """A tensor's bytes (a ``meta`` tensor's too)."""
     return t.numel() * t.element_size()
@@ -122,6 +146,10 @@ class PoolFrame(abc.ABC):
     _allocator: LogicalAllocator
     _id: int
     _debug: bool = False
+
+    def internals(self) -> Internals:
+        """The testing hook: this pool's private attributes (``Internals``)."""
+        return Internals(self)
 
     @abc.abstractmethod
     def memory(self) -> MemoryReport:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidInputError
-from ..frame import NewRows
+from ..frame import Internals, NewRows
 from ..layouts.tiered import TieredPool
 from ..transfer import Phase, TransferPlan
 
@@ -166,6 +166,10 @@ class SparseKV:
         """``pool.release`` once every group's moves in flight are done (a finished request)."""
         self._after_streams()
         self.pool.release(seq)
+
+    def internals(self) -> Internals:
+        """The testing hook: this adapter's private attributes (``ulakv.frame.Internals``)."""
+        return Internals(self)
 
     def join(self) -> None:
         """Make the current stream wait for every group's stream (end of a captured step; before
