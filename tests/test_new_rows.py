@@ -19,10 +19,10 @@ import random
 import pytest
 import torch
 from helpers import RowModel, addr_tensor, assert_reads, assert_same_state, expect_rejected, fill, random_rows
-from test_clean_evictions import POLICIES, POLICY_IDS, copies, deltas, row_bytes
-from test_clean_evictions import tiered as tiered_pool
+from tier_helpers import POLICIES, copies, deltas, row_bytes
+from tier_helpers import tiered as tiered_pool
 
-from ulakv import ExactLRU, NewRows
+from ulakv import PBLRU, ExactLRU, NewRows
 from ulakv.engine import SparseKV
 from ulakv.errors import CapacityError, InvalidAddressError, InvalidInputError
 from ulakv.kernels import apply as apply_mod
@@ -74,8 +74,8 @@ CASES = [
     # id, gpu, cpu, layers, per group, policy
     ("lru-1-layer-groups", 5, 40, 2, 1, ExactLRU()),
     ("lru-2-layer-group-tiny-gpu", 3, 40, 3, 2, ExactLRU()),
-    ("pblru3-1-layer-groups", 5, 40, 2, 1, POLICIES[1]),
-    ("pblru3-2-layer-group", 4, 40, 3, 2, POLICIES[1]),
+    ("pblru3-1-layer-groups", 5, 40, 2, 1, PBLRU(3)),
+    ("pblru3-2-layer-group", 4, 40, 3, 2, PBLRU(3)),
 ]
 
 
@@ -124,7 +124,7 @@ def test_one_plan_matches_its_references_and_holds_every_row(
     assert_reads(pool, model, addrs)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_one_plan_passes_the_plan_audit(policy, monkeypatch) -> None:
     """Under ``ULAKV_DEBUG=1`` every finished plan is checked against the policy's rules from a
     snapshot taken before it (free slots first, the oldest unprotected victims, nothing selected
@@ -150,7 +150,7 @@ def test_one_plan_passes_the_plan_audit(policy, monkeypatch) -> None:
 # 2. what it costs: counters, copies, clean evictions
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_new_tokens_are_written_not_missed_and_their_copies_make_evictions_clean(policy) -> None:
     """A one-layer group of 4 GPU slots, 4 entries on the GPU: one plan of 2 new tokens and a
     selection of 2 CPU-homed entries. The misses count the selection's 2 alone; the new tokens take
@@ -185,7 +185,7 @@ def test_new_tokens_are_written_not_missed_and_their_copies_make_evictions_clean
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_one_plan_equals_a_write_then_a_prepare_in_what_the_pool_holds(policy) -> None:
     """The same steps through one plan and through write-then-prepare: every row reads the same and
     the selections' slots hold the same rows. One plan moves no more bytes in: its selection is
@@ -292,7 +292,7 @@ def test_bad_new_rows_are_refused_before_anything_runs(bad) -> None:
 
 
 @pytest.mark.parametrize("phase", ["out", "evict", "in"])
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_one_plan_stopped_after_each_phase_loses_nothing(policy, phase) -> None:
     """Stopped after ``phase``: every entry homed before the call reads back as before it, and the
     next call finishes the plan: the state equals an uninterrupted run's, new rows included."""
@@ -354,7 +354,7 @@ def assert_same_as_references(pool, group: int, sel: torch.Tensor, new: NewRows)
     return got.slots
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_new_tokens_take_the_free_slots_first(policy) -> None:
     """With free GPU slots, new tokens are the call's first misses: they take the top of the free
     stack before the selection's misses, and nothing is evicted."""
@@ -379,7 +379,7 @@ def test_new_tokens_take_the_free_slots_first(policy) -> None:
     assert_reads(pool, model, addrs + new.tolist())
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_one_plan_without_write_copies_makes_none(policy) -> None:
     """``Tiered(write_copies=False)``: new tokens get no copy (no bytes out for them), kernels and
     references alike, and their later eviction copies their rows out."""
@@ -426,7 +426,7 @@ def test_many_new_tokens_span_chunks_and_a_repeat_across_chunks_is_refused() -> 
     assert_reads(pool, model, addrs + new.tolist())
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_describe_names_each_new_tokens_copy(policy) -> None:
     """``TransferPlan.describe()`` of a one-plan call: positions count in the plan's addresses (the
     new tokens first), the new tokens are the first misses, each with the row its copy takes, and
