@@ -72,17 +72,24 @@ MUTATIONS = {
 }
 
 
+def mutated_copy(pinned: Path, into: Path, files: list[str], mutation: tuple[str, str, str, str]) -> Path:
+    """``files`` of the pinned source copied under ``into``, the mutation's ``old`` text replaced by
+    its ``new`` in the file named ``name``; returns ``into``."""
+    name, old, new, _ = mutation
+    for rel in files:
+        (into / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(pinned / rel, into / rel)
+    target = next(into / rel for rel in files if rel.endswith("/" + name))
+    text = target.read_text()
+    assert old in text, f"{name}: the pinned source changed under the test"
+    target.write_text(text.replace(old, new))
+    return into
+
+
 @pytest.mark.parametrize("case", sorted(MUTATIONS))
 def test_a_changed_source_is_named(case: str, pinned: Path, tmp_path: Path) -> None:
-    name, old, new, said = MUTATIONS[case]
-    for rel in FILES:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(pinned / rel, tmp_path / rel)
-    target = next(tmp_path / rel for rel in FILES if rel.endswith("/" + name))
-    text = target.read_text()
-    assert old in text, f"{case}: the pinned source changed under the test"
-    target.write_text(text.replace(old, new))
-    found = dcp_conformance.problems(tmp_path)
+    said = MUTATIONS[case][3]
+    found = dcp_conformance.problems(mutated_copy(pinned, tmp_path, FILES, MUTATIONS[case]))
     assert any(said in line for line in found), found
     assert dcp_conformance.main(["--source", str(tmp_path)]) == 1
 
@@ -162,13 +169,6 @@ def test_the_pinned_wheel_meets_every_hook_expectation(pinned: Path) -> None:
 
 @pytest.mark.parametrize("case", sorted(HOOK_MUTATIONS))
 def test_a_changed_hook_target_is_named(case: str, pinned: Path, tmp_path: Path) -> None:
-    name, old, new, said = HOOK_MUTATIONS[case]
-    for rel in HOOK_FILES:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(pinned / rel, tmp_path / rel)
-    target = next(tmp_path / rel for rel in HOOK_FILES if rel.endswith("/" + name))
-    text = target.read_text()
-    assert old in text, f"{case}: the pinned source changed under the test"
-    target.write_text(text.replace(old, new))
-    found = dcp_conformance.hook_problems(tmp_path)
+    said = HOOK_MUTATIONS[case][3]
+    found = dcp_conformance.hook_problems(mutated_copy(pinned, tmp_path, HOOK_FILES, HOOK_MUTATIONS[case]))
     assert found and any(said in line for line in found), found
