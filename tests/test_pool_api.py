@@ -192,3 +192,22 @@ def test_memory_reports_each_tensor_once_by_purpose(kind: str) -> None:
         assert report.cpu_rows == layers * (cpu + 1) * width  # the tier and its dummy row
     assert report.gpu == report.gpu_rows + report.gpu_buffers + report.gpu_index + report.gpu_meta
     assert (report + report).cpu == 2 * report.cpu
+
+
+def test_help_of_pool_lists_what_a_pool_offers() -> None:
+    """``Pool(config)`` builds a kind, so ``help(ulakv.Pool)`` lists the calls every pool offers,
+    each with its summary, rather than only the factory; ``stats()`` says what each field counts."""
+    import pydoc
+
+    import ulakv
+
+    text = pydoc.render_doc(ulakv.Pool, renderer=pydoc.plaintext)
+    for call in ("admit(", "prepare(", "write(", "release(", "stats(", "memory(", "capacity (property)"):
+        assert call in text, call
+    assert "GPU-resident" in text  # prepare's summary, not only its name
+    stats_doc = ulakv.Pool.__doc__
+    assert "stats(self)" in stats_doc
+    from ulakv.layouts.tiered import TieredPool
+
+    for field in ("gpu_slots_used", "distinct_entries", "clean_evictions", "per layer group"):
+        assert field in TieredPool.stats.__doc__, field

@@ -172,13 +172,16 @@ class PoolFrame(abc.ABC):
 
     @property
     def free_addresses(self) -> int:
+        """Addresses that can still be admitted (``capacity`` minus the live ones)."""
         return self._allocator.free
 
     @property
     def num_groups(self) -> int:
+        """Layer groups: each has its own residency, mapping and policy state."""
         return self.config.num_groups
 
     def group_layers(self, group: int) -> range:
+        """The layers of ``group`` (consecutive), which share its selection and slots."""
         self._check_group(group)
         return self.config.group_layers(group)
 

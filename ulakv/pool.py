@@ -8,6 +8,7 @@ Every kind has the calls and counters of the contract in ``docs/design.md``.
 from __future__ import annotations
 
 import abc
+import inspect
 
 from .config import CPUOffloadBaseline, LayoutConfig, PoolConfig, Replicated, Striped, Tiered
 from .errors import InvalidInputError
@@ -49,3 +50,33 @@ class Pool(metaclass=abc.ABCMeta):  # noqa: B024 - an interface for isinstance, 
 
 for _kind in set(POOL_KINDS.values()):
     Pool.register(_kind)
+
+
+def _summary(member: object) -> str:
+    """A member's docstring up to its first full stop (one line)."""
+    doc = " ".join((inspect.getdoc(member) or "").split("\n\n")[0].split())
+    head, dot, _ = doc.partition(". ")
+    return head + ("." if dot else "")
+
+
+def _members_help(kind: type) -> str:
+    """Every public method and property of ``kind`` with its summary, for ``help(Pool)``."""
+    lines = []
+    for name, member in inspect.getmembers(kind):
+        if name.startswith("_"):
+            continue
+        if isinstance(member, property):
+            lines.append(f"{name} (property)\n    {_summary(member)}")
+        elif callable(member):
+            lines.append(f"{name}{inspect.signature(member)}\n    {_summary(member)}")
+    return "\n".join(lines)
+
+
+# ``Pool(config)`` builds a kind, so ``help(Pool)`` would show only the factory: list what every
+# pool offers instead, as the tiered pool (the most complete kind) has it.
+Pool.__doc__ = (
+    (Pool.__doc__ or "")
+    + "\n\nWhat a pool offers (``TieredPool``'s; ``docs/design.md``, section 5, says which calls each kind"
+    + " has):\n\n"
+    + _members_help(TieredPool)
+)

@@ -418,7 +418,24 @@ class TieredPool(PoolFrame):
         )
 
     def stats(self) -> dict[str, int]:
-        """Counters (cumulative) and occupancy; synchronises, and raises a deferred error."""
+        """Counters (cumulative) and occupancy; synchronises, and raises a deferred error.
+
+        Occupancy, now (a slot or row counts once *per layer group*: every group has its own):
+
+        - ``live_addresses``: addresses admitted and not released (not per group);
+        - ``distinct_entries``: homed (address, group) pairs, summed over the groups;
+        - ``gpu_slots_used`` / ``cpu_slots_used``: used GPU slots / CPU rows, summed over the
+          groups (at most ``num_groups x gpu_slots`` / ``x cpu_slots``);
+        - ``physical_slots_used``: both, times ``replicas`` (a ``Replicated`` pool counts every
+          replica's); ``replicas``: 1, or the ``Replicated`` world;
+        - ``host_bytes_reserved``: host memory the CPU tier holds (whole pages), every replica's.
+
+        Counters since the pool was built, summed over the groups: ``hits`` and ``misses`` (selected
+        entries found on / brought to the GPU, each distinct entry of a call once), ``bytes_in`` /
+        ``bytes_out`` (bytes moved CPU to GPU / GPU to CPU), ``victims`` (entries moved off the GPU
+        to make room), ``clean_evictions`` (victims whose CPU copy was intact: no bytes moved),
+        ``victim_search_reads`` / ``round_upkeep_reads`` (policy words the kernels read), and
+        ``launches`` (kernel launches)."""
         self._need_kernels("stats")
         self._finish_pending()
         self.check()
