@@ -182,7 +182,8 @@ BAD_CALLS: list[Bad] = [
     Bad("extend-released-sequence", lambda s: s.pool.extend(s.gone, 1), INDEX_ERRORS),
     Bad("admit-over-capacity", lambda s: s.pool.admit(num_tokens=s.pool.free_addresses + 1), CapacityError),
     Bad("extend-over-capacity", lambda s: s.pool.extend(s.seq, s.pool.free_addresses + 1), CapacityError),
-    Bad("admit-negative", lambda s: s.pool.admit(num_tokens=-1), INDEX_ERRORS),
+    Bad("admit-negative", lambda s: s.pool.admit(num_tokens=-1), InvalidInputError),
+    Bad("admit-fractional", lambda s: s.pool.admit(num_tokens=2.5), InvalidInputError),
     Bad("admit-float", lambda s: s.pool.admit(num_tokens=2.0), INDEX_ERRORS),
     # read and the other slow-path accessors
     Bad("read-released", lambda s: s.pool.read(0, s.dead[:1]), InvalidAddressError),
@@ -314,3 +315,24 @@ def test_bad_config_raises_config_error(kind: str | None, build: Callable[[objec
     Pool(pool_config(layout=LAYOUTS[kind or "tiered"]()))
     with pytest.raises(ConfigError):
         build(LAYOUTS[kind or "tiered"]())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA: the pool is built")
+def test_a_cuda_pool_without_cuda_is_a_config_error_naming_the_device() -> None:
+    from ulakv import ConfigError, EntrySpec, Pool, PoolConfig, Tiered
+
+    config = PoolConfig(entry=EntrySpec(8), num_layers=1, layout=Tiered(gpu_slots=4), device="cuda")
+    with pytest.raises(ConfigError, match=r"PoolConfig.device is 'cuda'.*device='cpu'"):
+        Pool(config)
+
+
+def test_a_refused_write_says_which_addresses_are_out_of_range_and_which_not_live() -> None:
+    from ulakv import EntrySpec, InvalidAddressError, Pool, PoolConfig, Tiered
+
+    pool = Pool(PoolConfig(entry=EntrySpec(8), num_layers=1, layout=Tiered(gpu_slots=4)))
+    pool.admit(2)
+    rows = torch.zeros((3, 8), dtype=torch.uint8)
+    with pytest.raises(InvalidAddressError, match=r"out of range \[0, 4\): \[9\]; not live: \[3\]"):
+        pool.write(0, torch.tensor([1, 3, 9]), rows)
+    with pytest.raises(InvalidAddressError, match=r"addresses not live: \[3\]; nothing changed"):
+        pool.write(0, torch.tensor([3]), rows[:1])

@@ -27,7 +27,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ulakv import CapacityError, InvalidAddressError, Pool
+from ulakv import CapacityError, InvalidInputError, Pool
 
 # --------------------------------------------------------------------------------------------------
 # one exact LRU a request (hypothesis)
@@ -240,7 +240,7 @@ def test_offload_admission_beyond_cpu_slots_keeps_the_buffer() -> None:
     a = pool.admit(num_tokens=5)
     live = a.addresses.tolist()
     expect_rejected(pool, CapacityError, lambda: pool.admit(num_tokens=5), live)
-    expect_rejected(pool, InvalidAddressError, lambda: pool.admit(num_tokens=-3), live)
+    expect_rejected(pool, InvalidInputError, lambda: pool.admit(num_tokens=-3), live)
     expect_rejected(pool, CapacityError, lambda: pool.extend(a, 5), live)
     b = pool.admit(num_tokens=4)  # the second buffer is still free
     assert b.addresses.tolist() == [5, 6, 7, 8]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import CapacityError, InvalidAddressError
+from .errors import CapacityError, InvalidAddressError, InvalidInputError
 
 FREE = -1
 UNHOMED = -2
@@ -133,7 +133,8 @@ class LogicalAllocator:
     def take(self, n: int) -> list[range]:
         """The ``n`` lowest free addresses, as ascending runs."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise InvalidAddressError(f"number of tokens must be a non-negative int, got {n!r}")
+            # a count, not an address: the caller's input is wrong, not an address it named
+            raise InvalidInputError(f"number of tokens must be a non-negative int, got {n!r}")
         if n > self._free:
             raise CapacityError(
                 f"cannot admit {n} tokens: {self._free} of {self.capacity} logical addresses free"

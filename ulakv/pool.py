@@ -10,8 +10,10 @@ from __future__ import annotations
 import abc
 import inspect
 
+import torch
+
 from .config import CPUOffloadBaseline, LayoutConfig, PoolConfig, Replicated, Striped, Tiered
-from .errors import InvalidInputError
+from .errors import ConfigError, InvalidInputError
 from .frame import MemoryReport, NewRows, PoolFrame, Selection
 from .layouts.offload import OffloadPool
 from .layouts.striped import StripedPool
@@ -45,6 +47,14 @@ class Pool(metaclass=abc.ABCMeta):  # noqa: B024 - an interface for isinstance, 
         kind = POOL_KINDS.get(type(config.layout))
         if kind is None:
             raise InvalidInputError(f"no pool kind serves a {type(config.layout).__name__} layout")
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            built = "with" if torch.backends.cuda.is_built() else "without"
+            raise ConfigError(
+                f"PoolConfig.device is {str(config.device)!r}, but this torch sees no CUDA device "
+                f"(torch {torch.__version__}, built {built} CUDA): use device='cpu' (kernels under "
+                "the Triton interpreter) or a CUDA build of torch"
+            )
         return kind(config)
 
 

@@ -538,21 +538,26 @@ class TieredPool(PoolFrame):
     ) -> UlakvError:
         """The error of a refused call: ``what`` names it, ``call`` is its kind when known
         (``prepare``, ``write``, ``admit_addresses``, ``release_addresses``; else ``what``)."""
-        detail = ""
-        if status & int(K.ST_BAD_ADDRESS) and plan is not None:
-            flat = plan.addresses
-            bad = (plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0
-            detail = f": {flat[bad][:5].tolist()}"
         state = "not live"
         if (call or what) == "admit_addresses":
             state = "live already"
         elif call is None and what.startswith("an earlier") and self._engine is not None:
             state = "not live (admit_addresses: live already)"
+        bad_address = f"addresses out of range [0, {self.address_space}) or {state}"
+        if status & int(K.ST_BAD_ADDRESS) and plan is not None:  # the call's own: say which is which
+            flat = plan.addresses
+            bad = ((plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0).cpu()
+            named = flat.cpu()[bad].tolist()
+            outside = [a for a in named if not 0 <= a < self.address_space][:5]
+            inside = [a for a in named if 0 <= a < self.address_space][:5]
+            parts = [f"out of range [0, {self.address_space}): {outside}"] if outside else []
+            parts += [f"{state}: {inside}"] if inside else []
+            bad_address = "addresses " + "; ".join(parts) if parts else bad_address
         layout = self._storage.layout
         return refusal(
             what,
             status,
-            bad_address=f"addresses out of range [0, {self.address_space}) or {state}{detail}",
+            bad_address=bad_address,
             full=f"more than the {self.capacity} addresses the pool holds would be live",
             too_large=(
                 f"the selection has more distinct addresses than the {layout.max_selection} a "
