@@ -78,3 +78,27 @@ def test_pool_matches_policy_model(seed, gpu, cpu, per_group, policy, model) -> 
             assert before - after == set(victims)
             assert after == set(models[group].order)
         pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (lambda p: p.prepare([10, 99]), "InvalidAddressError", "never written"),
+        (lambda p: p.write([99], new=set()), "InvalidAddressError", "neither written before nor in new"),
+        (lambda p: p.release([10]), "InvalidInputError", "not one admitted batch"),
+        (lambda p: p.release([77]), "InvalidInputError", "not one admitted batch"),
+    ],
+    ids=["prepare-unwritten", "write-unknown", "release-part-of-a-batch", "release-unknown"],
+)
+def test_pool_policy_refuses_a_trace_off_its_protocol_with_a_ulakv_error(call, error, words) -> None:
+    """``PoolPolicy``'s protocol (its docstring): a ulakv error that says what to do, nothing changed."""
+    import ulakv
+    from ulakv.testing import PoolPolicy
+
+    policy = PoolPolicy(ExactLRU(), gpu_slots=4)
+    policy.write([10, 11, 12], new={10, 11, 12})
+    before = policy.residents()
+    with pytest.raises(getattr(ulakv, error), match=words):
+        call(policy)
+    assert policy.residents() == before
+    policy.release([10, 11, 12])  # the batch is still whole and releasable

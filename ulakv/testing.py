@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
+from .errors import InvalidAddressError, InvalidInputError
 from .policies.exact_lru import distinct
 from .pool import Pool
 from .traces import SyntheticSpec
@@ -49,7 +50,19 @@ from .traces import SyntheticSpec
 
 class PoolPolicy:
     """The pool's own kernels seen as a policy: a one-group, one-layer pool whose CPU tier holds
-    everything, translated from the caller's addresses to the pool's."""
+    everything, translated from the caller's addresses to the pool's.
+
+    The protocol (the models take it too): ``write(addresses, new)`` admits the addresses named in
+    ``new`` as one batch and writes them all; ``prepare(addresses)`` selects only addresses written
+    before (``-1`` is padding); ``release(addresses)`` names exactly one admitted batch (the
+    ``new`` addresses of one write). Refused here with a ulakv error, changing nothing::
+
+        policy = PoolPolicy(ExactLRU(), gpu_slots=4)
+        policy.write([10, 11, 12], new={10, 11, 12})  # one batch admitted and written
+        hits, misses, victims = policy.prepare([10, 12, -1])
+        policy.release([10, 11, 12])  # the whole batch
+        policy.prepare([10])  # InvalidAddressError: never written, or released
+    """
 
     def __init__(self, policy: ExactLRU | PBLRU, gpu_slots: int, capacity: int = 512) -> None:
         self.gpu_slots = gpu_slots
@@ -74,13 +87,20 @@ class PoolPolicy:
         return {i for i, on_gpu in self._resident_pool().items() if on_gpu}
 
     def write(self, addresses: list[int], new: set[int]) -> tuple[list[int], list[int]]:
-        fresh = [a for a in dict.fromkeys(addresses) if a in new and a not in self._to_pool]
+        unknown = [a for a in distinct(addresses) if a not in new and a not in self._to_pool]
+        if unknown:
+            raise InvalidAddressError(
+                f"PoolPolicy.write: addresses neither written before nor in new: {unknown[:5]}"
+            )
+        fresh = [a for a in distinct(addresses) if a in new and a not in self._to_pool]
         if fresh:
             seq = self.pool.admit(len(fresh))
             self._to_pool.update(zip(fresh, seq.address_list, strict=True))
             self._seqs[fresh[0]] = seq
         before = self.residents()
-        targets = torch.tensor([self._to_pool[a] for a in addresses], dtype=torch.int64)
+        targets = torch.tensor(
+            [self._to_pool.get(a, -1) for a in addresses], dtype=torch.int64
+        )  # -1: padding
         self.pool.write(0, targets, torch.zeros((len(addresses), 4), dtype=torch.uint8))
         after = self.residents()
         return [a for a in fresh if a in after], sorted(before - after)
@@ -88,6 +108,12 @@ class PoolPolicy:
     def prepare(self, addresses: list[int]) -> tuple[list[int], list[int], list[int]]:
         selected = distinct(addresses)
         before = self.residents()
+        unknown = [a for a in selected if a not in self._to_pool]
+        if unknown:
+            raise InvalidAddressError(
+                f"PoolPolicy.prepare: addresses never written (or released): {unknown[:5]}; "
+                "write(addresses, new=...) admits them first"
+            )
         sel = torch.tensor([[self._to_pool[a] if a != -1 else -1 for a in addresses]], dtype=torch.int64)
         self.pool.prepare(0, sel)
         after = self.residents()
@@ -95,9 +121,13 @@ class PoolPolicy:
         return hits, [a for a in selected if a not in before], sorted(before - after)
 
     def release(self, addresses: list[int]) -> None:
-        seq = self._seqs.pop(addresses[0])
-        if sorted(self._to_pool[a] for a in addresses) != sorted(seq.address_list):
-            raise ValueError("PoolPolicy releases whole admitted batches")
+        seq = self._seqs.get(addresses[0]) if addresses else None
+        if seq is None or sorted(self._to_pool.get(a, -1) for a in addresses) != sorted(seq.address_list):
+            raise InvalidInputError(
+                f"PoolPolicy.release: {addresses[:5]} is not one admitted batch: release names exactly "
+                "the new addresses of one write"
+            )
+        del self._seqs[addresses[0]]
         self.pool.release(seq)
         for a in addresses:
             del self._to_pool[a]
