@@ -35,7 +35,7 @@ from ...engine.adapter import SparseKV
 from ...errors import InvalidInputError
 from ...pool import Pool
 from .dcp import DcpLocalizer
-from .store import FLASHMLA_PAGE, loc_addresses
+from .store import FLASHMLA_PAGE, LocStore
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class DcpStoreConfig:
         )
 
 
-class SGLangDcpStore:
+class SGLangDcpStore(LocStore):
     """One rank's pool bound to SGLang's DCP conventions (``loc`` 0 = padding). Every rank of the
     DCP group calls the same methods with the same arguments in the same order."""
 
@@ -121,26 +121,6 @@ class SGLangDcpStore:
             cfg, max_queries=max(max_queries, cfg.max_queries), top_k=max(top_k, cfg.top_k)
         )
         self._bind()
-
-    addresses = staticmethod(loc_addresses)
-
-    def admit(self, loc: torch.Tensor) -> None:
-        """New tokens' ``loc`` (a decode step's ``out_cache_loc``, a prefill's extend): live now."""
-        if loc.numel():
-            self.kv.join()
-            self.pool.admit_addresses(self.addresses(loc.reshape(-1)))
-
-    def release(self, loc: torch.Tensor) -> None:
-        """``loc`` SGLang's allocator frees (a finished or retracted request's; a cached prefix when
-        the radix tree lets it go): released once, by the last holder."""
-        if loc.numel():
-            self.kv.join()
-            self.pool.release_addresses(self.addresses(loc.reshape(-1)))
-
-    def write(self, layer: int, loc: torch.Tensor, rows: torch.Tensor) -> None:
-        """One layer's rows (uint8 ``[n, bytes_per_token]``) of the new tokens at ``loc`` (0 / -1:
-        padding), the same on every rank: each keeps those homed on it."""
-        self.kv.write(layer, self.addresses(loc.reshape(-1)), rows)
 
     def localize(
         self,
@@ -176,17 +156,3 @@ class SGLangDcpStore:
         out = self.localize(layer, page_table, metadata=metadata, topk_indices=topk_indices)
         self.pool.check()
         return out
-
-    def release_all(self) -> None:
-        """Every live ``loc`` (SGLang's allocator ``clear``, at start-up and cache flushes): reads the
-        flags back, a sync, never on a step; the same on every rank."""
-        self.kv.join()
-        live = self.pool.live_addresses()
-        if live.numel():
-            self.pool.release_addresses(live)
-
-    def kv_rows(self, layer: int) -> torch.Tensor:
-        """uint8 ``[rows, 1, bytes_per_token]``: the rank's GPU rows as SGLang's ``kv_buffer`` (whole
-        64-row pages; row ``device_tokens`` the dummy)."""
-        paged = self.pool.paged_buffer(layer)
-        return paged.view(-1, 1, paged.shape[-1])

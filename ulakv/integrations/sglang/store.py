@@ -83,7 +83,52 @@ def policy_named(name: str) -> PolicyConfig:
     return policies[name]
 
 
-class SGLangStore:
+class LocStore:
+    """What both stores do alike with SGLang's ``loc`` over their ``pool`` and its ``kv`` adapter
+    (``SGLangStore`` for DP attention, ``SGLangDcpStore`` for a DCP rank): ``loc`` 0 is padding;
+    live, released and written as the allocator and the KV pool say; rows viewed as SGLang's
+    ``kv_buffer``. Pool-wide calls wait for the adapter's side stream first."""
+
+    pool: Pool
+    kv: SparseKV
+
+    addresses = staticmethod(loc_addresses)
+
+    def admit(self, loc: torch.Tensor) -> None:
+        """New tokens' ``loc`` (a decode step's ``out_cache_loc``, a prefill's extend): live now."""
+        if loc.numel():
+            self.kv.join()
+            self.pool.admit_addresses(self.addresses(loc.reshape(-1)))
+
+    def release(self, loc: torch.Tensor) -> None:
+        """``loc`` SGLang's allocator frees (a finished or retracted request's, or a cached prefix
+        evicted from the radix tree): a shared prefix is released once, when its last holder lets
+        it go."""
+        if loc.numel():
+            self.kv.join()
+            self.pool.release_addresses(self.addresses(loc.reshape(-1)))
+
+    def release_all(self) -> None:
+        """Every live ``loc`` (SGLang's ``clear``, at start-up and cache flushes): reads the pool's
+        books back, a sync, never on a step."""
+        self.kv.join()
+        live = self.pool.live_addresses()
+        if live.numel():
+            self.pool.release_addresses(live)
+
+    def write(self, layer: int, loc: torch.Tensor, rows: torch.Tensor) -> None:
+        """One layer's rows (uint8 ``[n, bytes_per_token]``) for ``loc`` (0 / -1: padding rows); a
+        DCP rank keeps those homed on it."""
+        self.kv.write(layer, self.addresses(loc.reshape(-1)), rows)
+
+    def kv_rows(self, layer: int) -> torch.Tensor:
+        """uint8 ``[rows, 1, bytes_per_token]``: the layer's GPU rows as SGLang's ``kv_buffer`` (whole
+        64-row pages; row ``gpu_slots`` the dummy)."""
+        paged = self.pool.paged_buffer(layer)
+        return paged.view(-1, 1, paged.shape[-1])
+
+
+class SGLangStore(LocStore):
     """One ulakv pool bound to SGLang's conventions: ``loc`` addresses (0 = padding), per-layer
     ``swap in`` of top-k selections through :class:`SparseKV`, rows written as bytes."""
 
@@ -113,35 +158,6 @@ class SGLangStore:
         )
         self._steps.clear()
 
-    # -- addresses ---------------------------------------------------------------------------------
-    addresses = staticmethod(loc_addresses)
-
-    def admit(self, loc: torch.Tensor) -> None:
-        """New tokens' slots (a decode step's ``out_cache_loc``, a prefill's extend): live now."""
-        if loc.numel():
-            self.kv.join()
-            self.pool.admit_addresses(self.addresses(loc.reshape(-1)))
-
-    def release(self, loc: torch.Tensor) -> None:
-        """Slots SGLang's allocator frees (a finished request's, or a cached prefix evicted from the
-        radix tree): a shared prefix is released once, when its last holder lets it go."""
-        if loc.numel():
-            self.kv.join()
-            self.pool.release_addresses(self.addresses(loc.reshape(-1)))
-
-    def release_all(self) -> None:
-        """Every live ``loc`` (SGLang's ``clear``, at start-up and cache flushes): reads the mapping
-        back, a sync, never on a step."""
-        self.kv.join()
-        live = self.pool.live_addresses()
-        if live.numel():
-            self.pool.release_addresses(live)
-
-    # -- data --------------------------------------------------------------------------------------
-    def write(self, layer: int, loc: torch.Tensor, rows: torch.Tensor) -> None:
-        """One layer's rows (uint8 ``[n, bytes_per_token]``) for ``loc`` (0 / -1: padding rows)."""
-        self.kv.write(layer, self.addresses(loc.reshape(-1)), rows)
-
     def slots(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
         """int32 slots of ``paged_buffer(layer)`` for ``loc`` (``[B, K]`` or ``[B, Q, K]``; -1 or 0:
         padding, -1 out). The first layer of a layer group prepares the group; the group's other
@@ -164,9 +180,3 @@ class SGLangStore:
         slots = self.pool.prepare(group, self.addresses(loc)).slots
         self.pool.check()  # prefill is not captured: a refusal is raised now, not a step later
         return slots
-
-    def kv_rows(self, layer: int) -> torch.Tensor:
-        """uint8 ``[rows, 1, bytes_per_token]``: the layer's GPU rows as SGLang's ``kv_buffer`` (rows
-        a multiple of 64; row ``gpu_slots`` the dummy)."""
-        paged = self.pool.paged_buffer(layer)
-        return paged.view(-1, 1, paged.shape[-1])
