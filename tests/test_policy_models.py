@@ -80,25 +80,105 @@ def test_pool_matches_policy_model(seed, gpu, cpu, per_group, policy, model) -> 
         pool.check_invariants()
 
 
+def protocol_policies():
+    """Every policy of the kit, fresh, with one admitted batch [10, 11, 12] of 4 GPU slots."""
+    from ulakv.testing import PoolPolicy
+
+    made = {
+        "PoolPolicy-lru": PoolPolicy(ExactLRU(), gpu_slots=4),
+        "PoolPolicy-pblru": PoolPolicy(PBLRU(3), gpu_slots=4),
+        "ExactLRUModel": ExactLRUModel(4),
+        "PBLRUModel": PBLRUModel(4, 3),
+    }
+    for policy in made.values():
+        policy.write([10, 11, 12], new={10, 11, 12})
+    return made
+
+
 @pytest.mark.parametrize(
     ("call", "error", "words"),
     [
         (lambda p: p.prepare([10, 99]), "InvalidAddressError", "never written"),
+        (lambda p: p.prepare([10, -7]), "InvalidAddressError", "ints >= 0"),
+        (lambda p: p.prepare([10, 2.0]), "InvalidAddressError", "ints >= 0"),
+        (lambda p: p.prepare([10, 11, 12, 13, 14]), "InvalidAddressError", "never written"),
         (lambda p: p.write([99], new=set()), "InvalidAddressError", "neither written before nor in new"),
+        (lambda p: p.write([10, 13], new={10, 13}), "InvalidAddressError", "admitted before"),
+        (
+            lambda p: p.write([13], new={13, 14}),
+            "InvalidInputError",
+            "new names addresses the write does not",
+        ),
         (lambda p: p.release([10]), "InvalidInputError", "not one admitted batch"),
+        (lambda p: p.release([10, 11, 12, 12]), "InvalidInputError", "not one admitted batch"),
         (lambda p: p.release([77]), "InvalidInputError", "not one admitted batch"),
+        (lambda p: p.release([]), "InvalidInputError", "not one admitted batch"),
     ],
-    ids=["prepare-unwritten", "write-unknown", "release-part-of-a-batch", "release-unknown"],
+    ids=[
+        "prepare-unwritten",
+        "prepare-negative",
+        "prepare-float",
+        "prepare-unwritten-and-too-many",
+        "write-unknown",
+        "write-new-again",
+        "write-new-not-written",
+        "release-part-of-a-batch",
+        "release-a-repeat",
+        "release-unknown",
+        "release-nothing",
+    ],
 )
-def test_pool_policy_refuses_a_trace_off_its_protocol_with_a_ulakv_error(call, error, words) -> None:
-    """``PoolPolicy``'s protocol (its docstring): a ulakv error that says what to do, nothing changed."""
+def test_every_policy_refuses_a_trace_off_the_protocol_alike(call, error, words) -> None:
+    """The protocol (``ulakv.policies.protocol``): the models and the kernels refuse the same call
+    with the same ulakv error and the same words, and each is left as it was (the batch still whole
+    and releasable)."""
     import ulakv
-    from ulakv.testing import PoolPolicy
 
-    policy = PoolPolicy(ExactLRU(), gpu_slots=4)
-    policy.write([10, 11, 12], new={10, 11, 12})
-    before = policy.residents()
-    with pytest.raises(getattr(ulakv, error), match=words):
-        call(policy)
-    assert policy.residents() == before
-    policy.release([10, 11, 12])  # the batch is still whole and releasable
+    messages = {}
+    for name, policy in protocol_policies().items():
+        before = policy.residents()
+        with pytest.raises(getattr(ulakv, error), match=words) as refused:
+            call(policy)
+        messages[name] = str(refused.value).replace(type(policy).__name__, "<policy>")
+        assert policy.residents() == before, name
+        policy.prepare([10, 12])
+        policy.release([12, 11, 10])
+        assert policy.residents() == set(), name
+    assert len(set(messages.values())) == 1, messages
+
+
+def test_every_policy_refuses_a_selection_over_its_gpu_slots_alike() -> None:
+    import ulakv
+
+    messages = set()
+    for policy in protocol_policies().values():
+        policy.write([13, 14], new={13, 14})
+        with pytest.raises(ulakv.CapacityError, match="more than the 4 GPU slots") as refused:
+            policy.prepare([10, 11, 12, 13, 14, -1])
+        messages.add(str(refused.value).replace(type(policy).__name__, "<policy>"))
+    assert len(messages) == 1
+
+
+def test_every_policy_takes_the_same_trace_and_decides_alike() -> None:
+    """One trace on the protocol, with padding, repeats, a write of old and new, a release: the
+    models decide what the pool's kernels decide."""
+    trace = [
+        ("write", [0, 1, 2], {0, 1, 2}),
+        ("prepare", [2, 0, -1, 2]),
+        ("write", [3, 1, 4, -1], {3, 4}),
+        ("prepare", [4, 1, 3]),
+        ("release", [2, 1, 0]),
+        ("write", [5, 6, 7], {5, 6, 7}),
+        ("prepare", [3, 7, 5, 4]),
+        ("release", [4, 3]),
+        ("prepare", [6, -1]),
+    ]
+    by_policy = {}
+    for name, policy in protocol_policies().items():
+        policy.release([10, 11, 12])
+        results = []
+        for call, *args in trace:
+            results.append((getattr(policy, call)(*args), sorted(policy.residents())))
+        by_policy[name] = results
+    assert by_policy["PoolPolicy-lru"] == by_policy["ExactLRUModel"]
+    assert by_policy["PoolPolicy-pblru"] == by_policy["PBLRUModel"]

@@ -32,7 +32,8 @@ from .address_space import FREE, UNHOMED, LogicalAllocator
 from .errors import InvariantError
 from .kernels import common as K
 from .kernels.buckets import PBLRUBits
-from .policies.exact_lru import ExactLRUModel, distinct
+from .policies.exact_lru import ExactLRUModel
+from .policies.protocol import distinct
 
 
 def _fail(group: int, message: str) -> NoReturn:
@@ -395,7 +396,7 @@ def _check_lru_decisions(
 ) -> ExactLRUModel:
     """Invariant 7: ExactLRUModel, started from the snapshot's ring order, takes the plan's step.
     Returns the model after the step."""
-    model = ExactLRUModel(G)
+    model = ExactLRUModel(G, protocol=False)
     model.round = 1  # entries past round_tail were used in round 1, the rest before it
     model.order = OrderedDict((snap.owner[s], int(recent)) for s, recent in snap.ring)
     if len(model.order) + len(snap.free) != G:

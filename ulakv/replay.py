@@ -24,7 +24,7 @@ from .errors import CapacityError
 from .frame import NewRows
 from .policies import ExactLRUModel, PBLRUModel
 from .policies.cpu_tier import CPUTierModel
-from .policies.exact_lru import distinct
+from .policies.protocol import distinct
 from .pool import Pool
 from .traces import Trace
 
@@ -207,9 +207,9 @@ class _ModelTarget(_AddressBook):
         super().__init__()
         slots, policy = cfg.layout.gpu_slots, cfg.layout.policy
         make = (
-            (lambda: ExactLRUModel(slots))
+            (lambda: ExactLRUModel(slots, protocol=False))
             if isinstance(policy, ExactLRU)
-            else (lambda: PBLRUModel(slots, policy.num_buckets))
+            else (lambda: PBLRUModel(slots, policy.num_buckets, protocol=False))
         )
         self.cfg = cfg
         self.models = [make() for _ in range(cfg.num_groups)]
@@ -276,6 +276,8 @@ class _ModelTarget(_AddressBook):
         del self.addresses[key]
         if not self.addresses:  # the pool resets its residency when no request is left
             self.clean_before_reset += sum(t.clean_evictions for t in self.tiers)
+            for model in self.models:
+                model.reset()
             self.tiers = [CPUTierModel(self.cpu_rows, self.write_copies) for _ in self.models]
 
     def counters(self) -> dict[str, int]:
@@ -309,7 +311,7 @@ class _OffloadModelTarget(_AddressBook):
     def admit(self, key: int, n: int) -> list[int]:
         if len(self.models) == self.cfg.layout.max_requests:
             raise CapacityError("all per-request GPU buffers are in use")
-        self.models[key] = [ExactLRUModel(self.quota) for _ in range(self.cfg.num_groups)]
+        self.models[key] = [ExactLRUModel(self.quota, protocol=False) for _ in range(self.cfg.num_groups)]
         addresses = self._admit(key, n)
         self._write(key, addresses)
         return addresses

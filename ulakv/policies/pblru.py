@@ -10,23 +10,31 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .exact_lru import distinct
+from ..errors import CapacityError
+from .protocol import TraceProtocol, distinct
 
 
 class PBLRUModel:
     """Plain model of PB-LRU for one layer group: which addresses are GPU-resident, in which bucket.
 
-    Same interface as ``ExactLRUModel``. Ties inside a bucket go to the lower GPU slot, so the model
-    tracks slots: free slots are handed out in the order the pool's free stack does.
+    Same interface and trace protocol as ``ExactLRUModel`` (``protocol=False``: a bare cache). Ties
+    inside a bucket go to the lower GPU slot, so the model tracks slots: free slots are handed out in
+    the order the pool's free stack does.
     """
 
-    def __init__(self, gpu_slots: int, num_buckets: int) -> None:
+    def __init__(self, gpu_slots: int, num_buckets: int, *, protocol: bool = True) -> None:
         self.gpu_slots, self.R = gpu_slots, num_buckets
+        self.trace = TraceProtocol(type(self).__name__, gpu_slots) if protocol else None
+        self.reset()
+
+    def reset(self) -> None:
+        """Every slot free, as in a fresh model: what the pool does when its last request leaves
+        (invariant 6). The order of the free stack decides ties, so it matters."""
         self.round = 0
         self.slot_of: dict[int, int] = {}  # address -> slot
         self.stamp: dict[int, int] = {}  # slot -> round of last use
         self.cold: set[int] = set()  # slots merged into cold
-        self.free: list[int] = list(range(gpu_slots - 1, -1, -1))  # stack, top = end
+        self.free: list[int] = list(range(self.gpu_slots - 1, -1, -1))  # stack, top = end
 
     @property
     def order(self) -> dict[int, int]:
@@ -71,10 +79,11 @@ class PBLRUModel:
         return placed, victims
 
     def prepare(self, addresses: Iterable[int]) -> tuple[list[int], list[int], list[int]]:
-        self.round += 1
-        selected = distinct(addresses)
+        addresses = list(addresses)
+        selected = self.trace.check_prepare(addresses) if self.trace else distinct(addresses)
         if len(selected) > self.gpu_slots:
-            raise ValueError("selection larger than the GPU tier")
+            raise CapacityError(f"a selection of {len(selected)} addresses, over {self.gpu_slots} GPU slots")
+        self.round += 1
         hits = [a for a in selected if a in self.slot_of]
         misses = [a for a in selected if a not in self.slot_of]
         for a in hits:
@@ -89,15 +98,26 @@ class PBLRUModel:
         self.cold |= {s for s, st in self.stamp.items() if st == retiring and s in occupied}
 
     def write(self, addresses: Iterable[int], new: set[int]) -> tuple[list[int], list[int]]:
+        addresses = list(addresses)
         written = distinct(addresses)
+        fresh = self.trace.check_write(addresses, new) if self.trace else [a for a in written if a in new]
         for a in written:
             if a in self.slot_of:
                 self._use(self.slot_of[a])
-        return self._place([a for a in written if a in new], set())
+        placed = self._place(fresh, set())
+        if self.trace:
+            self.trace.admit(fresh)
+        return placed
 
     def release(self, addresses: Iterable[int]) -> None:
+        addresses = list(addresses)
+        if self.trace:
+            self.trace.check_release(addresses)
+            self.trace.release(addresses)
         for a in addresses:
             s = self.slot_of.pop(a, None)
             if s is not None:
                 self.cold.discard(s)
                 self.free.append(s)
+        if self.trace and not self.trace.batches:
+            self.reset()
