@@ -280,7 +280,7 @@ def test_a_refused_step_is_raised_by_the_next_call_without_a_sync(how: str) -> N
     with no_host_sync():
         slots = refused_step(kv, seqs, dead, how)
         call = "write" if how.startswith("write") else "prepare"
-        with pytest.raises(error, match=f"an earlier {call} \\(refused"):
+        with pytest.raises(error, match=rf"an earlier {call} (of|to) layer group \d \(refused"):
             kv.prepare(0, ok)
     if slots is not None:
         assert (slots == -1).all(), "a refused step's slots must never name a row"

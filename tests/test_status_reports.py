@@ -132,7 +132,9 @@ def test_a_refusal_is_raised_by_the_next_call_naming_its_kind(call: str) -> None
         pool.release_addresses(dead)
     assert_same_state(before, pool.state_dict(), ignore=("pending",))
     state = "live already" if call == "admit_addresses" else "not live"
-    with pytest.raises(InvalidAddressError, match=rf"an earlier {call} \(refused.*{state}"):
+    # A prepare or write names its layer group; an engine admit or release acts on every group.
+    where = {"prepare": " of layer group 0", "write": " to layer group 0"}.get(call, "")
+    with pytest.raises(InvalidAddressError, match=rf"an earlier {call}{where} \(refused.*{state}"):
         pool.prepare(0, live[:4].view(1, 4))
     pool.prepare(0, live[:4].view(1, 4))  # raised once: the pool goes on
     pool.check()
@@ -147,7 +149,7 @@ def test_a_report_of_several_refusals_names_the_latest_and_counts_them() -> None
     ctl[int(K.E_PENDING)] = int(K.ST_DUPLICATE | K.ST_TOO_LARGE)
     report[0] = (2 << 32) | (int(K.CALL_PREPARE) << 8) | int(K.ST_TOO_LARGE)
     refusal = deferred.take()
-    assert refusal == Refusal(status=int(K.ST_TOO_LARGE), call="prepare", calls=2)
+    assert refusal == Refusal(status=int(K.ST_TOO_LARGE), call="prepare", group=0, calls=2)
     assert "the latest of 2 refused calls" in refusal.describe()
     assert int(ctl[int(K.E_PENDING)]) == 0, "the device's pending word is cleared with it"
     assert deferred.take() is None, "raised once"
@@ -156,12 +158,37 @@ def test_a_report_of_several_refusals_names_the_latest_and_counts_them() -> None
     assert deferred.take() is None
 
 
+def test_a_report_names_the_layer_group_of_the_newest_refusal() -> None:
+    """One word a group: the newest count names the call and its group, every newer word's bits
+    are OR-ed and the calls counted from the last raised; the count wraps at 32 bits."""
+    ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64)
+    report = torch.zeros(4, dtype=torch.int64)
+    deferred = DeferredStatus([report], [ctl])
+    report[1] = (1 << 32) | (int(K.CALL_WRITE) << 8) | int(K.ST_DUPLICATE)
+    report[3] = (3 << 32) | (int(K.CALL_PREPARE) << 8) | int(K.ST_TOO_LARGE)
+    refusal = deferred.take()
+    assert refusal == Refusal(int(K.ST_DUPLICATE | K.ST_TOO_LARGE), "prepare", group=3, calls=3)
+    assert refusal.describe().startswith("an earlier prepare of layer group 3 (refused, the latest of 3")
+    report[2] = (4 << 32) | (int(K.CALL_WRITE) << 8) | int(K.ST_BAD_ADDRESS)
+    assert deferred.take() == Refusal(int(K.ST_BAD_ADDRESS), "write", group=2, calls=1)
+
+    def word(count: int, call, status) -> int:  # as the device packs it: an int64, negative past 2**31
+        packed = (count << 32) | (int(call) << 8) | int(status)
+        return packed - (1 << 64) if packed >= 1 << 63 else packed
+
+    # The last count wrapped past 2**32 and is still the newer one.
+    for count, calls in ((0x7FFFFFF0, 0x7FFFFFEC), (0xEFFFFFF0, 0x70000000), (2, 0x10000012)):
+        report[0] = word(count, K.CALL_ADMIT, K.ST_FULL)
+        assert deferred.take() == Refusal(int(K.ST_FULL), "admit_addresses", group=None, calls=calls)
+    assert deferred.take() is None
+
+
 @skip_under_debug
 def test_check_raises_a_refusal_once_and_the_next_call_does_not_again() -> None:
     pool = _pool(ExactLRU())
     seq = pool.admit(5)
     pool.prepare(0, torch.tensor([[seq.addresses[0].item(), 99]]))
-    with pytest.raises(InvalidAddressError, match=r"an earlier prepare \(refused"):
+    with pytest.raises(InvalidAddressError, match=r"an earlier prepare of layer group 0 \(refused"):
         pool.check()
     pool.prepare(0, seq.addresses.view(1, 5))  # not raised again from the report
     pool.check()

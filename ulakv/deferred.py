@@ -4,9 +4,10 @@ A pool that does not validate each call (the CUDA default) cannot read a call's 
 waiting for the GPU. A refused ``prepare``, ``write``, ``admit_addresses`` or ``release_addresses``
 changes nothing on the device and returns ``-1`` for every slot; its status bits are OR-ed into
 the control word ``E_PENDING``, and the one program that decided the refusal also *reports* it:
-one aligned 8-byte store, ``refusals << 32 | call << 8 | status``, into a word of host memory
-mapped for the device (``TieredState.report``, ``kernels.common.report_refusal``). ``refusals``
-counts the pool's refused calls, so the host tells a new report from one it has raised.
+one aligned 8-byte store, ``refusals << 32 | call << 8 | status``, into its layer group's word of
+host memory mapped for the device (``TieredState.report``, ``kernels.common.report_refusal``).
+``refusals`` counts the call context's refused calls, so the host tells a new report from one it
+has raised, and the word it was found in names the group (an error names the call and the group).
 
 Each later call reads that word as plain memory: no copy, no CUDA event, no wait, nothing launched.
 A report the host has not raised yet is raised there, to that call's caller, naming the kind of call
@@ -34,55 +35,85 @@ from .kernels import common as K
 @dataclass(frozen=True)
 class Refusal:
     """A refused call the host has learnt of: its status bits (``ST_*``), the kind of call
-    (``prepare``, ``write``, ``admit_addresses``, ``release_addresses``) and how many calls were
-    refused since the last refusal raised (this one included; only the latest one's bits are kept)."""
+    (``prepare``, ``write``, ``admit_addresses``, ``release_addresses``), the layer group of a
+    ``prepare`` or ``write`` (``None`` for the others, which act on addresses in every group) and how
+    many calls were refused since the last refusal raised (this one included; the bits are those of
+    each group's latest refused call)."""
 
     status: int
     call: str
+    group: int | None = None
     calls: int = 1
 
     def describe(self) -> str:
-        """``an earlier write (refused: ...)`` and the count, for an error message."""
+        """``an earlier write to layer group 2 (refused: ...)`` and the count, for an error message."""
         more = f", the latest of {self.calls} refused calls" if self.calls > 1 else ""
         slots = ": its slots were -1" if self.call == "prepare" else ""
-        return f"an earlier {self.call} (refused{more}{slots})"
+        where = "" if self.group is None else f" {_PREPOSITION[self.call]} layer group {self.group}"
+        return f"an earlier {self.call}{where} (refused{more}{slots})"
+
+
+_PREPOSITION = {"prepare": "of", "write": "to"}
+_COUNT_MASK = 0xFFFFFFFF  # E_REFUSALS wraps at 2**32
 
 
 class DeferredStatus:
-    """The host side of one pool's refusal reports: one word per call context (``TieredRunner``),
-    each with its own count, and the pending words to clear when one is raised."""
+    """The host side of one pool's refusal reports: one word per layer group per call context
+    (``TieredRunner``), each context with its own count, and the pending words to clear when one
+    is raised."""
 
     def __init__(self, reports: Sequence[torch.Tensor], pending: Sequence[torch.Tensor]) -> None:
         self._pending = [ctl[int(K.E_PENDING)].view(1) for ctl in pending]
         self._cuda = reports[0].device.type == "cuda" or pending[0].device.type == "cuda"
         # Read as plain memory: no tensor op, no copy, no sync (a meta pool reports nothing).
         self._words = [r.numpy() for r in reports if r.device.type != "meta"]
-        self._seen = [0] * len(self._words)  # each word's count when last raised or forgotten
+        self._looked = [w.tolist() for w in self._words]  # each context's words as last looked at
+        self._seen = [0] * len(self._words)  # each context's count when last raised or forgotten
 
     def take(self) -> Refusal | None:
         """The refusals reported and not raised yet, if their stores have reached host memory:
         marked seen, and the device's pending words cleared (in stream order: launches, no wait).
-        Two contexts' reports at once come back as one: both counted, their bits OR-ed, the
-        first context's kind of call named."""
+        Reports of several groups or contexts at once come back as one: all counted, their bits
+        OR-ed, the call and group named those of the first context's latest report."""
         if not self._words or (self._cuda and torch.cuda.is_current_stream_capturing()):
             return None
         found: Refusal | None = None
-        for i, word in enumerate(int(w[0]) for w in self._words):
-            refusals = word >> 32
-            if refusals == self._seen[i]:
+        for i, words in enumerate(self._words):
+            latest = self._latest(i, words.tolist())
+            if latest is None:
                 continue
-            calls = (refusals - self._seen[i]) & 0xFFFFFFFF
-            self._seen[i] = refusals
-            call = K.CALL_NAMES.get((word >> 8) & 0xFF, "call")
             if found is None:
-                found = Refusal(status=word & 0xFF, call=call, calls=calls)
+                found = latest
             else:
-                found = Refusal(found.status | (word & 0xFF), found.call, found.calls + calls)
+                found = Refusal(
+                    found.status | latest.status, found.call, found.group, found.calls + latest.calls
+                )
         if found is not None:
             for pending in self._pending:
                 pending.zero_()
         return found
 
+    def _latest(self, i: int, words: list[int]) -> Refusal | None:
+        """Context ``i``'s refusals since it was last looked at. A word is stored only by a refused
+        call, with the context's count, so a word that changed holds its group's latest refusal
+        (exact, as no stale word is compared by count); the newest count names the call and group."""
+        looked, self._looked[i] = self._looked[i], words
+        if words == looked:
+            return None
+        seen, newest, status, group_of_newest = self._seen[i], -1, 0, 0
+        for group, (word, before) in enumerate(zip(words, looked, strict=True)):
+            if word != before:
+                status |= word & 0xFF
+                ahead = ((word >> 32) - seen) & _COUNT_MASK  # the count wraps at 2**32
+                if ahead > newest:
+                    newest, group_of_newest = ahead, group
+        word = words[group_of_newest]
+        self._seen[i] = (word >> 32) & _COUNT_MASK
+        call = K.CALL_NAMES.get((word >> 8) & 0xFF, "call")
+        group = group_of_newest if call in _PREPOSITION else None
+        return Refusal(status=status, call=call, group=group, calls=newest)
+
     def forget(self) -> None:
         """After a synchronising read of ``E_PENDING`` (``check``): every report so far is seen."""
-        self._seen = [int(w[0]) >> 32 for w in self._words]
+        for i, words in enumerate(self._words):
+            self._latest(i, words.tolist())

@@ -542,7 +542,7 @@ def lookup_and_plan(
         claim_ptr=claim,
         mark_ptr=mark,
         gpu_free_ptr=st.gpu_free[g],
-        report_ptr=st.report,
+        report_ptr=st.group_reports[g],
         **st.group_kwargs(g),
         **scratch.kernel_kwargs(),
         group_row_bytes=group_row_bytes,

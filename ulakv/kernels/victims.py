@@ -898,7 +898,8 @@ def victims_reference(
     ctl[int(K.E_STATUS)] = 0
     ctl[int(K.E_DISTINCT)] = ctl[int(K.E_NEED)] = ctl[int(K.E_NEW_MISSES)] = 0
     ctl[int(K.E_PENDING)] |= status
-    K.report_refusal_reference(ctl, st.report, status, int(K.CALL_WRITE if write else K.CALL_PREPARE))
+    call = K.CALL_WRITE if write else K.CALL_PREPARE
+    K.report_refusal_reference(ctl, st.group_reports[g], status, int(call))
     if epoch + 1 >= K.EPOCH_LIMIT:
         st.claim.zero_()
         st.mark.zero_()

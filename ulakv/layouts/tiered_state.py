@@ -54,12 +54,13 @@ class _Tensors:
         return type(self)(**{k: v.clone() for k, v in self.tensors().items()})
 
 
-def report_word(device: torch.device) -> torch.Tensor:
-    """The word a refused call's kernel reports to (``kernels.common.report_refusal``): host memory
-    mapped for the device beside a GPU, so the host reads it with no copy and no wait."""
+def report_word(device: torch.device, words: int = 1) -> torch.Tensor:
+    """The words refused calls' kernels report to (``kernels.common.report_refusal``), one a layer
+    group, so that the host can say which group a refusal came from: host memory mapped for the
+    device beside a GPU, so the host reads them with no copy and no wait."""
     if device.type == "meta":
-        return torch.zeros(1, dtype=torch.int64, device=device)
-    word = host_memory.allocate_tier((8,), pin=device.type == "cuda", what="the refusal report")
+        return torch.zeros(words, dtype=torch.int64, device=device)
+    word = host_memory.allocate_tier((8 * words,), pin=device.type == "cuda", what="the refusal report")
     return word.view(torch.int64)
 
 
@@ -92,7 +93,9 @@ class TieredState(_Tensors):
     mark: torch.Tensor  # int64 [G]: protection scratch, tagged by epoch
     gpu_data: torch.Tensor  # uint8 [layers, G + 1, bytes]; row G is the dummy slot
     cpu_data: torch.Tensor  # uint8 [layers, C + 1, bytes]; pinned host memory beside a GPU
-    report: torch.Tensor  # int64 [1]: the latest refusal, in host memory the device writes (deferred.py)
+    # int64 [groups]: each group's latest refused prepare or write (word 0 also an engine admit or
+    # release), in host memory the device writes (deferred.py)
+    report: torch.Tensor
 
     # A buffer of entries homed on other ranks (``ulakv.layouts.striped``) drops its victims and
     # fetches its misses; a tiered pool's own state swaps them with its CPU tier.
@@ -165,7 +168,7 @@ class TieredState(_Tensors):
             cpu_data=host_memory.allocate_tier((L, C + 1, B), pin=pin)
             if device.type != "meta"
             else torch.empty((L, C + 1, B), dtype=torch.uint8, device=device),
-            report=report_word(device),
+            report=report_word(device, groups),
         )
         state.ctl[int(K.E_EPOCH)] = 1
         state.ctl[int(K.E_MAX_SELECTION)] = layout.max_selection
@@ -209,7 +212,7 @@ class TieredState(_Tensors):
             stats=torch.zeros_like(self.stats),
             claim=torch.zeros_like(self.claim),
             mark=torch.zeros_like(self.mark),
-            report=report_word(self.ctl.device),
+            report=report_word(self.ctl.device, self.report.numel()),
         )
 
     @property
@@ -259,6 +262,11 @@ class TieredState(_Tensors):
         if g not in cache:
             cache[g] = self._build_group_kwargs(g)
         return cache[g]
+
+    @functools.cached_property
+    def group_reports(self) -> list[torch.Tensor]:
+        """Each group's report word (a one-word view of ``report``): built once, not a launch."""
+        return [self.report[g : g + 1] for g in range(self.report.numel())]
 
     @functools.cached_property
     def row_words(self) -> tuple[torch.Tensor, torch.Tensor, int]:
