@@ -110,10 +110,14 @@ class Sizes:
     scale_calls: int
     request_groups: int  # one-layer groups of the requests section's pool
     request_tokens: int  # tokens of its prompt
+    # Random calls of the small correctness section, each policy. The smoke run (CPU CI, where
+    # test_kernels.py and the policy tests hold every kernel to its reference) only keeps the
+    # section from rotting: 16 calls there admit, write, release, prepare, split and evict.
+    correctness_calls: int = 40
 
 
 FULL = Sizes(1 << 30, 1 << 20, 2048, (1, 8, 64, 256), 16384, 5, 1 << 16, 8, 1 << 16, 8 * 1024, 32, 61, 16384)
-SMOKE = Sizes(1 << 20, 2048, 16, (1, 4), 64, 1, 512, 2, 2048, 2 * 1024, 6, 3, 96)
+SMOKE = Sizes(1 << 20, 2048, 16, (1, 4), 64, 1, 512, 2, 2048, 2 * 1024, 6, 3, 96, correctness_calls=16)
 
 
 # -- timing -----------------------------------------------------------------------------------------
@@ -228,14 +232,14 @@ def same_state(a: Pool, b: Pool) -> str | None:
     return None
 
 
-def correctness(device: torch.device, seed: int = 0) -> list[dict]:
+def correctness(device: torch.device, calls: int, seed: int = 0) -> list[dict]:
     rows = []
     for policy in (ExactLRU(), PBLRU(3)):
         kernels, refs = (make_pool(device, 24, 40, policy, layers=3, per_group=2) for _ in range(2))
         refs.internals().runner.kernels = REFERENCE
         rng = random.Random(seed)
         seqs: list[tuple] = []  # (sequence in kernels, sequence in refs): the same addresses
-        for call in range(40):
+        for call in range(calls):
             op = rng.random()
             live = [a for s, _ in seqs for a in s.address_list]
             if (op < 0.3 or not live) and kernels.free_addresses >= 8:
@@ -280,7 +284,7 @@ def correctness(device: torch.device, seed: int = 0) -> list[dict]:
         for key, value in st.tensors().items():
             if key != "gpu_data" and not torch.equal(value, ref.tensors()[key]):
                 raise AssertionError(f"{policy}: release differs from its reference in {key}")
-        rows.append({"policy": str(policy), "calls": 40, "result": "bit-identical"})
+        rows.append({"policy": str(policy), "calls": calls, "result": "bit-identical"})
     return rows
 
 
@@ -447,9 +451,11 @@ def vector_widths(device: torch.device, sizes: Sizes, ceil: dict[str, float]) ->
     (``ulakv.kernels.rows.VECTOR_BYTES``) so that drift of the machine hits both alike."""
     from ulakv.kernels import rows as rows_mod
 
-    big = Sizes(**{**sizes.__dict__, "batches": sizes.batches[-2:]})
+    # The interpreter's timings mean nothing: one round at the largest batch only
+    cuda = device.type == "cuda"
+    big = Sizes(**{**sizes.__dict__, "batches": sizes.batches[-2:] if cuda else sizes.batches[-1:]})
     runs: dict[int, dict[str, list[dict]]] = {16: {}, 4: {}}
-    rounds = 2 if device.type == "cuda" else 1  # the interpreter's timings mean nothing: run it once
+    rounds = 2 if cuda else 1
     for _ in range(rounds):
         for width in (16, 4):
             saved, rows_mod.VECTOR_BYTES = rows_mod.VECTOR_BYTES, width
@@ -967,7 +973,7 @@ def sections(device: torch.device, sizes: Sizes) -> list[tuple[str, str, Callabl
         (
             "correctness",
             "correctness: kernels against references on this device",
-            lambda r: correctness(device),
+            lambda r: correctness(device, sizes.correctness_calls),
         ),
         (
             "correctness_at_scale",

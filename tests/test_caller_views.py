@@ -36,6 +36,7 @@ from ulakv.kernels import operands
 from ulakv.kernels.operands import as_words, may_overlap, readable_indices, readable_rows, writable_in_place
 from ulakv.kernels.rows import aligned_to, vector_unit
 from ulakv.spawn import run_ranks
+from ulakv.testing import kernel_settings
 from ulakv.transfer import PlanInterrupted, interrupt_after
 
 LAYERS = 2  # one group of two layers: a prepare moves both
@@ -176,7 +177,7 @@ def _assert_slots_hold(pool: Pool, selection: list[int], slots: list[int], expec
 
 # -- the property ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", list(LAYOUTS))
-@settings(max_examples=40)
+@settings(kernel_settings())  # 25 examples a pool kind: each a pool's write, read and prepare, interpreted
 @given(data=st.data(), width=st.sampled_from([6, 8, 12, 13]), n=st.integers(1, 6))
 def test_rows_written_through_any_view_read_back_exactly(kind: str, data, width: int, n: int) -> None:
     with pool_of(kind, width) as pool:

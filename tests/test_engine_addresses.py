@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_same_state, row_of
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -24,6 +23,7 @@ from ulakv.config import EntrySpec, ExactLRU, PoolConfig, Tiered
 from ulakv.kernels import common as K
 from ulakv.kernels.engine_addresses import engine_addresses, engine_addresses_reference
 from ulakv.layouts.tiered_state import TieredState
+from ulakv.testing import kernel_settings
 
 
 def engine_pool(gpu: int, cpu: int, space: int, layers: int = 2, per_group: int = 1, **kwargs) -> Pool:
@@ -176,13 +176,10 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 TestEngineMachine = EngineMachine.TestCase
-TestEngineMachine.settings = settings(
-    settings.get_profile(settings._current_profile),  # the loaded profile's health checks, seeds
-    # Each example costs about 0.5 s under the interpreter (a write per layer per request); 40 examples
-    # of 12 steps reach every rule and every bad-input case many times over (hypothesis's event counts).
-    max_examples=min(settings.default.max_examples, 40),
-    stateful_step_count=12,
-)
+# The kernel profile's 25 programs, of 12 steps: each costs about 0.5 s interpreted (a write per layer
+# per request), and they reach every rule and every bad-input case many times over (hypothesis's
+# event counts; 40 programs took 26 s of a 2-core CI).
+TestEngineMachine.settings = kernel_settings(stateful_step_count=12)
 
 
 @pytest.mark.parametrize("admit", [True, False], ids=["admit", "release"])

@@ -23,11 +23,11 @@ import pytest
 import torch
 from baseline_harness import Harness, note
 from helpers import expect_rejected, loaded_pool, offload_config, random_rows
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ulakv import CapacityError, InvalidInputError, Pool
+from ulakv.testing import kernel_settings
 
 # --------------------------------------------------------------------------------------------------
 # one exact LRU a request (hypothesis)
@@ -126,7 +126,7 @@ class OffloadMachine(RuleBasedStateMachine):
             self.h.check()
 
 
-OffloadMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=6, deadline=None)
+OffloadMachine.TestCase.settings = kernel_settings(stateful_step_count=6)  # the kernel profile's 25
 TestOffloadLRU = OffloadMachine.TestCase
 
 

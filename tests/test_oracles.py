@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import small_pool
 
+from ulakv.policies import ExactLRUModel
 from ulakv.replay import belady_hits
 
 
@@ -27,9 +28,12 @@ def lcs_request(obj: int, next_access: int | None = None) -> lcs.Request:
     return req
 
 
-@pytest.mark.parametrize(("seed", "gpu", "objects"), [(0, 16, 60), (1, 7, 23)], ids=["g16-n60", "g7-n23"])
-def test_exact_lru_matches_libcachesim_lru(seed, gpu, objects) -> None:
-    """One access per round: the pool's hit/miss sequence equals libCacheSim's LRU, step by step."""
+def test_exact_lru_matches_libcachesim_lru() -> None:
+    """One access per round: the pool's hit/miss sequence equals libCacheSim's LRU, step by step.
+    150 rounds of a Zipf trace over 23 objects and 7 GPU slots (each round a plan of the interpreted
+    kernels); the model, which the pool matches step for step (test_policy_models.py,
+    test_policy_machine.py), is held to libCacheSim on longer traces below."""
+    seed, gpu, objects = 1, 7, 23
     pool = small_pool(gpu_slots=gpu, cpu_slots=objects, bytes_per_layer=4, num_layers=1, layers_per_group=1)
     seq = pool.admit(objects)
     pool.write(0, seq.addresses, torch.zeros((objects, 4), dtype=torch.uint8))
@@ -43,6 +47,20 @@ def test_exact_lru_matches_libcachesim_lru(seed, gpu, objects) -> None:
         pool.prepare(0, torch.tensor([[addrs[index]]]))
         hit = pool.stats()["hits"] - before == 1
         assert hit == oracle.get(lcs_request(addrs[index])), f"step {step}: address {addrs[index]}"
+
+
+@pytest.mark.parametrize(("seed", "gpu", "objects"), [(0, 16, 60), (5, 7, 23), (6, 40, 300)])
+def test_exact_lru_model_matches_libcachesim_lru(seed, gpu, objects) -> None:
+    """The plain model over 3,000 rounds of one access each, hit for hit. (A round of several
+    addresses protects its hits from its own misses, which an access-at-a-time cache does not.)"""
+    model = ExactLRUModel(gpu)
+    model.write(list(range(objects)), new=set(range(objects)))
+    oracle = lcs.LRU(cache_size=gpu)
+    for a in range(min(gpu, objects)):  # the write homed the first ``gpu`` addresses on the GPU
+        oracle.get(lcs_request(a))
+    for step, a in enumerate(zipf_sequence(random.Random(seed), objects, 3000)):
+        hits, _, _ = model.prepare([a])
+        assert (hits == [a]) == oracle.get(lcs_request(a)), f"round {step}: address {a}"
 
 
 @pytest.mark.parametrize(("seed", "capacity"), [(2, 5), (3, 17), (4, 40)], ids=["c5", "c17", "c40"])

@@ -2,36 +2,33 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import rule, run_state_machine_as_test
 
 from ulakv import PBLRU, ExactLRU
 from ulakv.policies import ExactLRUModel, PBLRUModel
-from ulakv.testing import PolicyMachine, PoolPolicy
+from ulakv.testing import PolicyMachine, PoolPolicy, kernel_settings
 
-# In CI, examples of 6 steps: 30 for exact LRU, 45 for PB-LRU (invariants 4, 5 and 7 of
-# docs/design.md on 5- and 6-slot pools). 200 of 5 took 370 s and 188 s of a 2-core CI's 19 minutes,
-# the suite's long pole; test_invariants.py checks the same invariants on 400-slot pools and
-# test_oracles.py holds exact LRU to libCacheSim hit for hit. Every step is a plan of the pool's
-# kernels (~0.1 s interpreted), and only prepares of entries the GPU does not hold make victims to
-# compare. Prepares with victims a run, mean (range) over 8 random runs, against 60 examples of 5
-# steps without the second prepare rule below: exact LRU 21.8 (5-48) in 7.9 s against 19.0 (7-42) in
-# 15.4 s; PB-LRU 17.4 (6-39) in 12.9 s against 19.4 (0-30) in 14.9 s (30 examples gave it 13.6).
-# Locally a quick pass.
-CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
-RUN_LRU = settings(max_examples=30 if CI else 20, stateful_step_count=6, deadline=None)
-RUN_PBLRU = settings(max_examples=45 if CI else 20, stateful_step_count=6, deadline=None)
+# The kernel profile (``kernel_settings``) with programs of 6 steps: its 25 for exact LRU, 35 for
+# PB-LRU, whose ties and cold bucket need more (invariants 4, 5 and 7 of docs/design.md on 5- and
+# 6-slot pools). 200 of 5 took 370 s and 188 s of a 2-core CI's 19 minutes, the suite's long pole;
+# test_invariants.py checks the same invariants on 400-slot pools and test_oracles.py holds exact LRU
+# to libCacheSim hit for hit. Every step is a plan of the pool's kernels (~0.1 s interpreted), and
+# only prepares of entries the GPU does not hold make victims to compare. Prepares with victims a
+# run, mean (range) over 8 random runs, against 60 examples of 5 steps without the second prepare rule
+# below: exact LRU 21.8 (5-48) in 7.9 s against 19.0 (7-42) in 15.4 s; PB-LRU 17.4 (6-39) in 12.9 s
+# against 19.4 (0-30) in 14.9 s (30 examples gave it 13.6). A release of the last batch starts the
+# policy afresh (invariant 6), which the machine reaches since release has no precondition.
+RUN_LRU = kernel_settings(stateful_step_count=6)
+RUN_PBLRU = kernel_settings(max_examples=35, stateful_step_count=6)
 
 
 class MorePrepares(PolicyMachine):
     """The policy kit's machine with a second prepare rule: hypothesis switches rules off at random
     per example (swarm testing), and prepares are the steps that evict."""
 
-    @precondition(lambda self: self.batches)
     @rule(data=st.data())
     def prepare_again(self, data: st.DataObject) -> None:
         PolicyMachine.prepare(self, data)

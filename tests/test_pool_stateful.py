@@ -15,12 +15,11 @@ under the Triton interpreter on CPU.
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
 from helpers import assert_same_state, looking_behind_reset, small_pool
-from hypothesis import event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -36,6 +35,7 @@ from ulakv import (
     NewRows,
     Pool,
 )
+from ulakv.testing import kernel_settings
 from ulakv.transfer import PlanInterrupted, interrupt_after
 
 INDEX_DTYPES = st.sampled_from([torch.int32, torch.int64])
@@ -504,17 +504,16 @@ class PoolMachine(RuleBasedStateMachine):
             assert torch.equal(got, self._expected(layer, addrs)), f"layer {layer} read-back"
 
 
-# 40 examples of 12 steps in CI: the profile's 200 took 250 s of a 2-core CI's 19 minutes, 80 took
-# 40-90 s on one core, mostly plans (writes and prepares, ~0.2 s each interpreted). Hypothesis
-# switches rules off at random per example (swarm testing) and picks the first addresses written,
-# which the GPU holds; ``prepare_misses`` picks CPU-homed ones. CI's run is derandomized, so always
-# the same. Of the 65 cases it generates (40 valid; `--hypothesis-show-statistics`, 2026-12-03),
-# 4 evict, 4 swap in from the CPU, 2 make a clean eviction, 12, 7 and 5 interrupt a plan after its
-# out, evict and in phases, 15 release everything, and 29, 27 and 9 refuse an admission over
-# capacity, a write with duplicates and a selection over the limit (a released address never comes
-# up in this run: test_bad_input.py refuses it, with the rest, on every pool kind). Evictions
-# against the plain references and models are the work of test_kernels.py,
-# test_policy_machine.py, test_invariants.py and test_transfer.py.
-EXAMPLES = 40 if os.environ.get("HYPOTHESIS_PROFILE") == "ci" else 30
-PoolMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=12, deadline=None)
+# The kernel profile (``ulakv.testing.kernel_settings``): 25 programs, here of 12 steps; 200 took
+# 250 s of a 2-core CI's 19 minutes, mostly plans (writes and prepares, ~0.2 s each interpreted).
+# Hypothesis switches rules off at random per program (swarm testing) and picks the first addresses
+# written, which the GPU holds; ``prepare_misses`` picks CPU-homed ones. CI's run is derandomized, so
+# always the same. Of the 29 cases it generates (25 valid; `--hypothesis-show-statistics`,
+# 2026-12-07), 6 evict, 6 swap in from the CPU, 6 make a clean eviction, 2, 9 and 6 interrupt a plan
+# after its out, evict and in phases, 3 release everything, and 9, 5, 6 and 6 refuse an admission
+# over capacity, a write with duplicates, a write of a released address and a selection over the
+# limit (the 40 programs before reached no released address; these take 18 s alone). Evictions against the
+# plain references and models are the work of test_kernels.py, test_policy_machine.py,
+# test_invariants.py and test_transfer.py.
+PoolMachine.TestCase.settings = kernel_settings(stateful_step_count=12)
 TestPoolStateful = PoolMachine.TestCase

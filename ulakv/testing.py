@@ -31,31 +31,74 @@ Use it like this::
 
 Strategies for pool configurations and selection traces come with it (``pool_configs``,
 ``selections``, ``trace_specs``).
+
+Test a policy against the models first, then against the kernels. A machine over two plain models
+runs about 70 programs a second and reports a planted bug shrunk in 7 s; one over ``PoolPolicy``
+runs the pool's kernels (interpreted without a GPU: ~0.1 s a step), so give it
+``kernel_settings()``, which bounds what a failure costs to find and to shrink (the same bug: 46 s,
+``benchmarks/planted_policy.py``)::
+
+    TestMine.settings = kernel_settings()  # or kernel_settings(max_examples=50)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from .address_space import Sequence
 from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
-from .errors import InvalidAddressError, InvalidInputError
-from .policies.exact_lru import distinct
+from .policies.protocol import TraceProtocol
 from .pool import Pool
 from .traces import SyntheticSpec
+
+# What a kernel-backed example costs without a GPU, where each of its steps is one or two launches of
+# the interpreted kernels (0.05-0.3 s): a program of 8 steps runs in about a second, and a shrink
+# replays such programs a few hundred times (benchmarks/planted_policy.py times a planted bug).
+KERNEL_STEPS = 8
+KERNEL_EXAMPLES = 25
+# Far above an interpreted example (a second or two), and above a GPU's first example, which compiles
+# every kernel variant it meets (~10 s); an example this slow is a hang or a recompile per call.
+KERNEL_DEADLINE = timedelta(seconds=60)
+
+
+def kernel_settings(**changes) -> settings:
+    """Hypothesis settings for property tests whose examples run the pool's kernels, on top of the
+    profile loaded (its seed, database and health checks):
+
+    * few examples (``KERNEL_EXAMPLES``) of short programs (``KERNEL_STEPS`` steps): every shrink
+      attempt replays a whole program, so its length bounds what shrinking costs;
+    * a deadline that fits the interpreter (``KERNEL_DEADLINE``);
+    * no targeting and no explain phase (both rerun programs; the explain phase replays the failure
+      once per step to say which steps matter), and only the first distinct failure is shrunk.
+
+    ``changes`` override any of them: ``kernel_settings(max_examples=50)``. As a named profile it is
+    ``"ulakv-kernels"`` (``settings.load_profile("ulakv-kernels")``)."""
+    kernel = {
+        "max_examples": KERNEL_EXAMPLES,
+        "stateful_step_count": KERNEL_STEPS,
+        "deadline": KERNEL_DEADLINE,
+        "phases": (Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+        "report_multiple_bugs": False,
+        "suppress_health_check": (HealthCheck.too_slow, HealthCheck.data_too_large),
+    }
+    return settings(**{**kernel, **changes})
+
+
+settings.register_profile("ulakv-kernels", kernel_settings())
 
 
 class PoolPolicy:
     """The pool's own kernels seen as a policy: a one-group, one-layer pool whose CPU tier holds
     everything, translated from the caller's addresses to the pool's.
 
-    The protocol (the models take it too): ``write(addresses, new)`` admits the addresses named in
-    ``new`` as one batch and writes them all; ``prepare(addresses)`` selects only addresses written
-    before (``-1`` is padding); ``release(addresses)`` names exactly one admitted batch (the
-    ``new`` addresses of one write). Refused here with a ulakv error, changing nothing::
+    It takes the trace ``ulakv.policies.protocol`` states, as the models do, and refuses one off it
+    with the same ulakv error and words, changing nothing::
 
         policy = PoolPolicy(ExactLRU(), gpu_slots=4)
         policy.write([10, 11, 12], new={10, 11, 12})  # one batch admitted and written
@@ -73,8 +116,9 @@ class PoolPolicy:
                 layout=Tiered(gpu_slots=gpu_slots, cpu_slots=capacity, policy=policy),
             )
         )
+        self.trace = TraceProtocol(type(self).__name__, gpu_slots)
         self._to_pool: dict[int, int] = {}
-        self._seqs: dict[int, object] = {}  # first address of an admitted batch -> its Sequence
+        self._seqs: dict[int, Sequence] = {}  # first address of an admitted batch -> its Sequence
 
     def _resident_pool(self) -> dict[int, bool]:
         ids = list(self._to_pool)
@@ -87,33 +131,29 @@ class PoolPolicy:
         return {i for i, on_gpu in self._resident_pool().items() if on_gpu}
 
     def write(self, addresses: list[int], new: set[int]) -> tuple[list[int], list[int]]:
-        unknown = [a for a in distinct(addresses) if a not in new and a not in self._to_pool]
-        if unknown:
-            raise InvalidAddressError(
-                f"PoolPolicy.write: addresses neither written before nor in new: {unknown[:5]}"
-            )
-        fresh = [a for a in distinct(addresses) if a in new and a not in self._to_pool]
-        if fresh:
-            seq = self.pool.admit(len(fresh))
-            self._to_pool.update(zip(fresh, seq.address_list, strict=True))
-            self._seqs[fresh[0]] = seq
+        addresses = list(addresses)
+        fresh = self.trace.check_write(addresses, new)
+        seq = self.pool.admit(len(fresh)) if fresh else None
+        to_pool = {**self._to_pool, **dict(zip(fresh, seq.address_list if seq else [], strict=True))}
         before = self.residents()
-        targets = torch.tensor(
-            [self._to_pool.get(a, -1) for a in addresses], dtype=torch.int64
-        )  # -1: padding
-        self.pool.write(0, targets, torch.zeros((len(addresses), 4), dtype=torch.uint8))
+        targets = torch.tensor([to_pool.get(a, -1) for a in addresses], dtype=torch.int64)  # -1: padding
+        try:
+            self.pool.write(0, targets, torch.zeros((len(addresses), 4), dtype=torch.uint8))
+        except Exception:
+            if seq is not None:  # the pool left itself as it was; so does the policy
+                self.pool.release(seq)
+            raise
+        self._to_pool = to_pool
+        if seq is not None:
+            self._seqs[fresh[0]] = seq
+        self.trace.admit(fresh)
         after = self.residents()
         return [a for a in fresh if a in after], sorted(before - after)
 
     def prepare(self, addresses: list[int]) -> tuple[list[int], list[int], list[int]]:
-        selected = distinct(addresses)
+        addresses = list(addresses)
+        selected = self.trace.check_prepare(addresses)
         before = self.residents()
-        unknown = [a for a in selected if a not in self._to_pool]
-        if unknown:
-            raise InvalidAddressError(
-                f"PoolPolicy.prepare: addresses never written (or released): {unknown[:5]}; "
-                "write(addresses, new=...) admits them first"
-            )
         sel = torch.tensor([[self._to_pool[a] if a != -1 else -1 for a in addresses]], dtype=torch.int64)
         self.pool.prepare(0, sel)
         after = self.residents()
@@ -121,14 +161,10 @@ class PoolPolicy:
         return hits, [a for a in selected if a not in before], sorted(before - after)
 
     def release(self, addresses: list[int]) -> None:
-        seq = self._seqs.get(addresses[0]) if addresses else None
-        if seq is None or sorted(self._to_pool.get(a, -1) for a in addresses) != sorted(seq.address_list):
-            raise InvalidInputError(
-                f"PoolPolicy.release: {addresses[:5]} is not one admitted batch: release names exactly "
-                "the new addresses of one write"
-            )
-        del self._seqs[addresses[0]]
-        self.pool.release(seq)
+        addresses = list(addresses)
+        self.trace.check_release(addresses)
+        self.pool.release(self._seqs.pop(self.trace.batch_of[addresses[0]]))
+        self.trace.release(addresses)
         for a in addresses:
             del self._to_pool[a]
 
@@ -189,7 +225,11 @@ def exact_ages(age: int) -> int:
 class PolicyMachine(RuleBasedStateMachine):
     """Checks a policy against a model and invariants 4, 5, 7 (see the module docstring).
     Subclass it, set ``gpu_slots``, and define ``make_policy``, ``make_model`` and, for a policy
-    coarser than exact LRU, ``recency_class``."""
+    coarser than exact LRU, ``recency_class``.
+
+    Every rule can run at every step (there is always an admitted batch: a release of the last one
+    admits a fresh one), so hypothesis never redraws a rule whose precondition fails; with a
+    release that needed two batches, 85 % of programs had redrawn one and 5 % were given up."""
 
     gpu_slots = 6
     # Subclasses define make_policy() and make_model(), each returning a policy object.
@@ -241,14 +281,12 @@ class PolicyMachine(RuleBasedStateMachine):
     def admit(self, n: int) -> None:
         self._admit(n)
 
-    @precondition(lambda self: self.batches)
     @rule(data=st.data())
     def write_again(self, data) -> None:
         batch = data.draw(st.sampled_from(self.batches))
         addresses = data.draw(st.lists(st.sampled_from(batch), min_size=1, max_size=4, unique=True))
         self._write(addresses, set())
 
-    @precondition(lambda self: self.batches)
     @rule(data=st.data())
     def prepare(self, data) -> None:
         live = [a for b in self.batches for a in b]
@@ -266,7 +304,6 @@ class PolicyMachine(RuleBasedStateMachine):
         for a in selected:
             self.last_use[a] = self.round
 
-    @precondition(lambda self: len(self.batches) > 1)
     @rule(data=st.data())
     def release(self, data) -> None:
         batch = self.batches.pop(data.draw(st.integers(0, len(self.batches) - 1)))
@@ -274,6 +311,8 @@ class PolicyMachine(RuleBasedStateMachine):
         self.model.release(batch)
         for a in batch:
             self.last_use.pop(a, None)
+        if not self.batches:  # everything released: the policy starts afresh (invariant 6); go on
+            self._admit(data.draw(st.integers(1, 12)))
 
     @invariant()
     def same_residents(self) -> None:
