@@ -237,7 +237,11 @@ def test_deferred_error_without_validation(op: str, kind: str) -> None:
         pool.write(2, bad, random_rows(6, 2, 12))
     # Only the recorded error itself ("pending": the deferred status word) may differ.
     assert_same_state(before, pool.state_dict(), ignore=("pending",))
-    with pytest.raises(InvalidAddressError):
+    # The error names the call refused and its layer group.
+    where = (
+        "prepare of layer group 0" if op == "prepare" else f"write to layer group {pool.config.group_of(2)}"
+    )
+    with pytest.raises(InvalidAddressError, match=f"an earlier {where} \\(refused"):
         pool.check()
     assert_same_state(before, pool.state_dict(), ignore=("pending",))
     assert_reads(pool, model, a.addresses.tolist())

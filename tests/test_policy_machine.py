@@ -11,18 +11,17 @@ from ulakv import PBLRU, ExactLRU
 from ulakv.policies import ExactLRUModel, PBLRUModel
 from ulakv.testing import PolicyMachine, PoolPolicy, kernel_settings
 
-# The kernel profile (``kernel_settings``) with programs of 6 steps: its 25 for exact LRU, 35 for
-# PB-LRU, whose ties and cold bucket need more (invariants 4, 5 and 7 of docs/design.md on 5- and
-# 6-slot pools). 200 of 5 took 370 s and 188 s of a 2-core CI's 19 minutes, the suite's long pole;
-# test_invariants.py checks the same invariants on 400-slot pools and test_oracles.py holds exact LRU
-# to libCacheSim hit for hit. Every step is a plan of the pool's kernels (~0.1 s interpreted), and
-# only prepares of entries the GPU does not hold make victims to compare. Prepares with victims a
-# run, mean (range) over 8 random runs, against 60 examples of 5 steps without the second prepare rule
-# below: exact LRU 21.8 (5-48) in 7.9 s against 19.0 (7-42) in 15.4 s; PB-LRU 17.4 (6-39) in 12.9 s
-# against 19.4 (0-30) in 14.9 s (30 examples gave it 13.6). A release of the last batch starts the
-# policy afresh (invariant 6), which the machine reaches since release has no precondition.
+# The kernel profile (``kernel_settings``): its 25 programs, of 6 steps (invariants 4, 5 and 7 of
+# docs/design.md on 5- and 6-slot pools). 200 of 5 took 370 s and 188 s of a 2-core CI's 19 minutes, the
+# suite's long pole; test_invariants.py checks the same invariants on 400-slot pools and test_oracles.py
+# holds exact LRU to libCacheSim hit for hit. Every step is a plan of the pool's kernels (~0.1 s
+# interpreted), and only prepares of entries the GPU does not hold make victims to compare. Prepares with
+# victims a run, mean (range) over 8 random runs, against 60 examples of 5 steps without the second prepare
+# rule below: exact LRU 21.8 (5-48) in 7.9 s against 19.0 (7-42) in 15.4 s; PB-LRU 17.4 (6-39) in 12.9 s
+# against 19.4 (0-30) in 14.9 s (30 examples gave it 13.6). A release of the last batch starts the policy
+# afresh (invariant 6), which the machine reaches since release has no precondition.
 RUN_LRU = kernel_settings(stateful_step_count=6)
-RUN_PBLRU = kernel_settings(max_examples=35, stateful_step_count=6)
+RUN_PBLRU = kernel_settings(stateful_step_count=6)
 
 
 class MorePrepares(PolicyMachine):
@@ -90,3 +89,16 @@ def test_machine_fails_on_a_planted_bug() -> None:
     )
     with pytest.raises(AssertionError):
         run_state_machine_as_test(CatchesPlantedBug, settings=run)
+
+
+def test_kernel_settings_bound_each_program_and_keep_the_loaded_profile() -> None:
+    """The kernel profile changes only what bounds a kernel-backed failure's cost; the loaded
+    profile's seed handling stays (CI's derandomized run stays derandomized)."""
+    from ulakv.testing import KERNEL_DEADLINE, KERNEL_EXAMPLES, KERNEL_STEPS
+
+    run = kernel_settings(max_examples=7)
+    assert (run.max_examples, run.stateful_step_count, run.deadline) == (7, KERNEL_STEPS, KERNEL_DEADLINE)
+    assert Phase.shrink in run.phases and not {Phase.explain, Phase.target} & set(run.phases)
+    assert not run.report_multiple_bugs
+    assert run.derandomize == settings.default.derandomize and run.database == settings.default.database
+    assert settings.get_profile("ulakv-kernels").max_examples == KERNEL_EXAMPLES
