@@ -372,16 +372,20 @@ def _bench():
     return module
 
 
+# 32 x 3 x 256 = 24,576 elements (24 chunks): what is allocated is the returned slots, 4 bytes an
+# element at any batch (``benchmarks/census_bytes.py`` measures batch 64 and more; 64 here took 27 s).
+BATCH, QUERIES, TOP_K = 32, 3, 256
+
+
 def _allocated(rank: int, world: int) -> dict:
-    out = _bench().measure_rank(rank, world, 64, 3, 256)
-    return out
+    return _bench().measure_rank(rank, world, BATCH, QUERIES, TOP_K)
 
 
 def test_a_fetch_prepare_allocates_at_most_16_bytes_an_element() -> None:
-    """64 x 3 x 256 selected elements, warmed: every byte allocated during the call, by op."""
+    """A warmed prepare's selected elements: every byte allocated during the call, by op."""
     results = run_ranks(_allocated, 2)
     for r in results:
-        assert r["elements"] == 64 * 3 * 256
+        assert r["elements"] == BATCH * QUERIES * TOP_K
         assert r["bytes"] <= BYTES_PER_ELEMENT * r["elements"], r["by_op"]
     assert results[0]["bytes"] == results[1]["bytes"]
 

@@ -30,7 +30,7 @@ def lcs_request(obj: int, next_access: int | None = None) -> lcs.Request:
 
 def test_exact_lru_matches_libcachesim_lru() -> None:
     """One access per round: the pool's hit/miss sequence equals libCacheSim's LRU, step by step.
-    150 rounds of a Zipf trace over 23 objects and 7 GPU slots (each round a plan of the interpreted
+    100 rounds of a Zipf trace over 23 objects and 7 GPU slots (each round a plan of the interpreted
     kernels); the model, which the pool matches step for step (test_policy_models.py,
     test_policy_machine.py), is held to libCacheSim on longer traces below."""
     seed, gpu, objects = 1, 7, 23
@@ -41,7 +41,7 @@ def test_exact_lru_matches_libcachesim_lru() -> None:
     oracle = lcs.LRU(cache_size=gpu)
     for a in addrs[:gpu]:  # the write homed the first `gpu` tokens on the GPU, in this order
         oracle.get(lcs_request(a))
-    trace = zipf_sequence(random.Random(seed), objects, 150)
+    trace = zipf_sequence(random.Random(seed), objects, 100)
     for step, index in enumerate(trace):
         before = pool.stats()["hits"]
         pool.prepare(0, torch.tensor([[addrs[index]]]))

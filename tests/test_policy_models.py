@@ -27,8 +27,8 @@ def gpu_resident(pool, group: int, addrs: list[int]) -> set[int]:
 
 @pytest.mark.parametrize(
     ("seed", "gpu", "cpu", "per_group"),
-    [(1, 4, 12, 1), (2, 7, 20, 2), (4, 3, 30, 1)],
-    ids=["g4-c12", "g7-c20-2layers", "g3-c30"],
+    [(1, 4, 12, 1), (2, 7, 20, 2)],
+    ids=["g4-c12", "g7-c20-2layers"],
 )
 @pytest.mark.parametrize(("policy", "model"), [p[1:] for p in POLICIES], ids=[p[0] for p in POLICIES])
 def test_pool_matches_policy_model(seed, gpu, cpu, per_group, policy, model) -> None:
