@@ -594,5 +594,6 @@ def context_ctl(pool: TieredPool, group: int) -> torch.Tensor:
 
 
 def context_reports(pool: TieredPool) -> list[torch.Tensor]:
-    """Every call context's report word (``ulakv.deferred``), which a composing pool reads too."""
+    """Every call context's report words, one a layer group (``ulakv.deferred``), which a composing
+    pool reads too."""
     return [st.report for st in pool._runner.contexts]
