@@ -21,17 +21,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from ulakv import ExactLRU
 from ulakv.policies import ExactLRUModel
-from ulakv.testing import PolicyMachine, PoolPolicy, kernel_settings
-
-
-class EvictsMostRecent(ExactLRUModel):
-    """The planted bug: evicts the most recently used unprotected entry."""
-
-    def _evict(self, count: int, protected: set[int]) -> list[int]:
-        order = [a for a, used in reversed(self.order.items()) if a not in protected and used != self.round]
-        for a in order[:count]:
-            del self.order[a]
-        return order[:count]
+from ulakv.testing import EvictsMostRecentModel, PolicyMachine, PoolPolicy, kernel_settings
 
 
 @dataclass
@@ -68,7 +58,7 @@ class Timed(PolicyMachine):
             raise
 
     def make_model(self):
-        return EvictsMostRecent(self.gpu_slots)
+        return EvictsMostRecentModel(self.gpu_slots)
 
 
 class OnModels(Timed):

@@ -9,7 +9,7 @@ from hypothesis.stateful import rule, run_state_machine_as_test
 
 from ulakv import PBLRU, ExactLRU
 from ulakv.policies import ExactLRUModel, PBLRUModel
-from ulakv.testing import PolicyMachine, PoolPolicy, kernel_settings
+from ulakv.testing import EvictsMostRecentModel, PolicyMachine, PoolPolicy, kernel_settings
 
 # The kernel profile (``kernel_settings``): its 25 programs, of 6 steps (invariants 4, 5 and 7 of
 # docs/design.md on 5- and 6-slot pools). 200 of 5 took 370 s and 188 s of a 2-core CI's 19 minutes, the
@@ -62,21 +62,11 @@ TestPBLRUOnPool = PBLRUOnPool.TestCase
 TestPBLRUOnPool.settings = RUN_PBLRU
 
 
-class EvictsMostRecent(ExactLRUModel):
-    """A planted bug: evicts the most recently used unprotected entry."""
-
-    def _evict(self, count: int, protected: set[int]) -> list[int]:
-        order = [a for a, used in reversed(self.order.items()) if a not in protected and used != self.round]
-        for a in order[:count]:
-            del self.order[a]
-        return order[:count]
-
-
 class CatchesPlantedBug(PolicyMachine):
     gpu_slots = 4
 
     def make_policy(self):
-        return EvictsMostRecent(self.gpu_slots)
+        return EvictsMostRecentModel(self.gpu_slots)
 
     def make_model(self):
         return ExactLRUModel(self.gpu_slots)

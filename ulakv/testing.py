@@ -33,10 +33,10 @@ Strategies for pool configurations and selection traces come with it (``pool_con
 ``selections``, ``trace_specs``).
 
 Test a policy against the models first, then against the kernels. A machine over two plain models
-runs about 70 programs a second and reports a planted bug shrunk in 7 s; one over ``PoolPolicy``
+runs about 70 programs a second and reports a planted bug shrunk in 7-10 s; one over ``PoolPolicy``
 runs the pool's kernels (interpreted without a GPU: ~0.1 s a step), so give it
-``kernel_settings()``, which bounds what a failure costs to find and to shrink (the same bug: 46 s,
-``benchmarks/planted_policy.py``)::
+``kernel_settings()``, which bounds what a failure costs to find and to shrink (the same bug: 46-88 s
+against 340 s, ``benchmarks/planted_policy.py``)::
 
     TestMine.settings = kernel_settings()  # or kernel_settings(max_examples=50)
 """
@@ -53,6 +53,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from .address_space import Sequence
 from .config import PBLRU, EntrySpec, ExactLRU, PoolConfig, Tiered
+from .policies.exact_lru import ExactLRUModel
 from .policies.protocol import TraceProtocol
 from .pool import Pool
 from .traces import SyntheticSpec
@@ -167,6 +168,18 @@ class PoolPolicy:
         self.trace.release(addresses)
         for a in addresses:
             del self._to_pool[a]
+
+
+class EvictsMostRecentModel(ExactLRUModel):
+    """A wrong policy on purpose: exact LRU that evicts the most recently used entry not protected in
+    the round. Plant it as the policy (or the model) of a test of yours to check that the test fails
+    on a wrong policy, and how long it takes to say so (``benchmarks/planted_policy.py``)."""
+
+    def _evict(self, count: int, protected: set[int]) -> list[int]:
+        order = [a for a, used in reversed(self.order.items()) if a not in protected and used != self.round]
+        for a in order[:count]:
+            del self.order[a]
+        return order[:count]
 
 
 def pool_configs(max_gpu_slots: int = 64, policies=None) -> st.SearchStrategy[PoolConfig]:
