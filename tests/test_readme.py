@@ -35,8 +35,8 @@ def test_the_pip_install_paths_are_as_safe_as_the_makefile() -> None:
     assert keep, "the README's own-torch command"
     pattern = re.compile(keep.group(1))
     frozen = [
-        "torch==2.5.1+cu124",
-        "triton==3.1.0",
+        "torch==2.8.0+cu128",
+        "triton==3.4.0",
         "torch @ file:///wheels/torch.whl",
         "torchvision==0.2",
         "tqdm==4",

@@ -183,6 +183,21 @@ def test_a_report_names_the_layer_group_of_the_newest_refusal() -> None:
     assert deferred.take() is None
 
 
+def test_a_word_read_after_a_newer_one_adds_no_call() -> None:
+    """The host reads a context's words one after another while the device may store: group 1's
+    count 3 seen before group 0's count 2 (stored first, read late). Count 3 was raised as 3 calls,
+    so count 2, seen later, was among them: it adds nothing, and the count never goes back."""
+    ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64)
+    report = torch.zeros(2, dtype=torch.int64)
+    deferred = DeferredStatus([report], [ctl])
+    report[1] = (3 << 32) | (int(K.CALL_WRITE) << 8) | int(K.ST_DUPLICATE)
+    assert deferred.take() == Refusal(int(K.ST_DUPLICATE), "write", group=1, calls=3)
+    report[0] = (2 << 32) | (int(K.CALL_PREPARE) << 8) | int(K.ST_TOO_LARGE)
+    assert deferred.take() is None
+    report[0] = (4 << 32) | (int(K.CALL_PREPARE) << 8) | int(K.ST_BAD_ADDRESS)
+    assert deferred.take() == Refusal(int(K.ST_BAD_ADDRESS), "prepare", group=0, calls=1)
+
+
 @skip_under_debug
 def test_check_raises_a_refusal_once_and_the_next_call_does_not_again() -> None:
     pool = _pool(ExactLRU())

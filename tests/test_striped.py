@@ -1,4 +1,4 @@
-"""Striped layout (tensor parallelism) on gloo processes, world 2 and 4: one home per entry, slots
+"""Striped layout (tensor parallelism) on gloo processes, world 2, 3 and 4: one home per entry, slots
 that hold the right bytes on every rank, capacity world x slice, and the reference decoder's logits
 bit-identical to dense KV under the same split: attention on one device (fetch mode) or rank by rank
 merged by log-sum-exp (local mode), itself within rounding of one device."""

@@ -57,6 +57,12 @@ _PREPOSITION = {"prepare": "of", "write": "to"}
 _COUNT_MASK = 0xFFFFFFFF  # E_REFUSALS wraps at 2**32
 
 
+def _ahead(count: int, seen: int) -> int:
+    """How many refusals ``count`` is past ``seen``, modulo 2**32, as a signed difference: at most
+    zero for a count already raised."""
+    return ((count - seen + (1 << 31)) & _COUNT_MASK) - (1 << 31)
+
+
 class DeferredStatus:
     """The host side of one pool's refusal reports: one word per layer group per call context
     (``TieredRunner``), each context with its own count, and the pending words to clear when one
@@ -68,7 +74,8 @@ class DeferredStatus:
         # Read as plain memory: no tensor op, no copy, no sync (a meta pool reports nothing).
         self._words = [r.numpy() for r in reports if r.device.type != "meta"]
         self._looked = [w.tolist() for w in self._words]  # each context's words as last looked at
-        self._seen = [0] * len(self._words)  # each context's count when last raised or forgotten
+        # each context's count when last raised or forgotten: what its words hold now
+        self._seen = [max((w >> 32) & _COUNT_MASK for w in words) for words in self._looked]
 
     def take(self) -> Refusal | None:
         """The refusals reported and not raised yet, if their stores have reached host memory:
@@ -95,18 +102,21 @@ class DeferredStatus:
 
     def _latest(self, i: int, words: list[int]) -> Refusal | None:
         """Context ``i``'s refusals since it was last looked at. A word is stored only by a refused
-        call, with the context's count, so a word that changed holds its group's latest refusal
-        (exact, as no stale word is compared by count); the newest count names the call and group."""
+        call, with the context's count, so a word that changed holds its group's latest refusal. The
+        words are not read at one instant: a word stored after an earlier one was read, but with a
+        lower count than one already raised, was counted then; it adds its bits, never a call."""
         looked, self._looked[i] = self._looked[i], words
         if words == looked:
             return None
-        seen, newest, status, group_of_newest = self._seen[i], -1, 0, 0
+        seen, newest, status, group_of_newest = self._seen[i], 0, 0, 0
         for group, (word, before) in enumerate(zip(words, looked, strict=True)):
             if word != before:
                 status |= word & 0xFF
-                ahead = ((word >> 32) - seen) & _COUNT_MASK  # the count wraps at 2**32
+                ahead = _ahead(word >> 32, seen)
                 if ahead > newest:
                     newest, group_of_newest = ahead, group
+        if newest == 0:  # only refusals already counted in one raised
+            return None
         word = words[group_of_newest]
         self._seen[i] = (word >> 32) & _COUNT_MASK
         call = K.CALL_NAMES.get((word >> 8) & 0xFF, "call")

@@ -3,8 +3,8 @@
 ``run_ranks(fn, world, *args)`` starts the processes, initialises ``torch.distributed`` with gloo
 through a file store, calls ``fn(rank, world, *args)`` on each and returns their results in rank
 order; an exception on any rank fails the call with that rank's traceback. With the kernels
-interpreted, ranks are forked from one server process a caller (``_start_method``), so they see the
-environment the caller had at its first ``run_ranks``.
+interpreted, ranks are forked from one server process per calling process (``_start_method``); each
+rank takes the caller's environment of the moment (what modules read at import is the server's).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world: int, store: str, fn, args: tuple, results) -> None:
+def _worker(rank: int, world: int, store: str, fn, args: tuple, results, env: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's when it started
+    os.environ.update(env)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -63,7 +65,7 @@ def run_ranks(fn, world: int, *args) -> list:
         results = manager.dict()
         mp.start_processes(
             _worker,
-            args=(world, os.path.join(tmp, "store"), fn, args, results),
+            args=(world, os.path.join(tmp, "store"), fn, args, results, dict(os.environ)),
             nprocs=world,
             join=True,
             start_method=method,

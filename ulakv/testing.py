@@ -79,14 +79,16 @@ def kernel_settings(**changes) -> settings:
       once per step to say which steps matter), and only the first distinct failure is shrunk.
 
     ``changes`` override any of them: ``kernel_settings(max_examples=50)``. As a named profile it is
-    ``"ulakv-kernels"`` (``settings.load_profile("ulakv-kernels")``)."""
+    ``"ulakv-kernels"`` (``settings.load_profile("ulakv-kernels")``), built over the profile loaded
+    when ``ulakv.testing`` was first imported."""
+    slow = (HealthCheck.too_slow, HealthCheck.data_too_large)  # added to what the profile suppresses
     kernel = {
         "max_examples": KERNEL_EXAMPLES,
         "stateful_step_count": KERNEL_STEPS,
         "deadline": KERNEL_DEADLINE,
         "phases": (Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
         "report_multiple_bugs": False,
-        "suppress_health_check": (HealthCheck.too_slow, HealthCheck.data_too_large),
+        "suppress_health_check": tuple({*settings.default.suppress_health_check, *slow}),
     }
     return settings(**{**kernel, **changes})
 
@@ -164,7 +166,9 @@ class PoolPolicy:
     def release(self, addresses: list[int]) -> None:
         addresses = list(addresses)
         self.trace.check_release(addresses)
-        self.pool.release(self._seqs.pop(self.trace.batch_of[addresses[0]]))
+        first = self.trace.batch_of[addresses[0]]
+        self.pool.release(self._seqs[first])
+        del self._seqs[first]
         self.trace.release(addresses)
         for a in addresses:
             del self._to_pool[a]

@@ -138,7 +138,8 @@ def claim_kernel(
 
 # Not specialised: every int (T varies each call, group_row_bytes with the short last group, the rest
 # are pool constants that feed no vectorisable access: specialising them only splits binaries by pool
-# size); the alignment of the caller's selection and of every group's row of a [groups, ...] tensor.
+# size); the alignment of the caller's selection, of every group's row of a [groups, ...] tensor and
+# of the group's report word (8 bytes apart: odd groups' words are not 16-byte aligned).
 # Specialised: whole-pool tensors and the call scratch (allocated whole: alignment fixed), constexprs.
 # (Before: up to 15 classify variants in that loop; now 2, a prepare's and a write's.)
 @triton.jit(
@@ -157,6 +158,7 @@ def claim_kernel(
     ],
     do_not_specialize_on_alignment=[
         "sel_ptr",
+        "report_ptr",
         "map_ptr",
         "gctl_ptr",
         "bits_ptr",
