@@ -202,6 +202,19 @@ class PoolFrame(abc.ABC):
         if not same_device(t, self.device):
             raise InvalidInputError(f"{what} is on {t.device}, the pool on {self.device}")
 
+    def _check_selection(self, topk: object) -> None:
+        """A prepare's ``topk``: an int32 or int64 tensor ``[batch, k]`` or ``[batch, q, k]`` on the
+        pool's device (any strides or offset: it is read through ``readable_indices``)."""
+        if not isinstance(topk, torch.Tensor):
+            raise InvalidInputError(f"prepare: topk must be a tensor, got {type(topk).__name__}")
+        if topk.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
+        if topk.dim() not in (2, 3):
+            raise InvalidInputError(
+                f"prepare: topk must be [batch, k] or [batch, q, k], got shape {tuple(topk.shape)}"
+            )
+        self._check_device("prepare: topk", topk)
+
     def _check_addresses(self, what: str, addrs: object) -> None:
         """``addrs`` of ``read``, ``residency`` and ``write``: an int32 or int64 tensor."""
         if not isinstance(addrs, torch.Tensor) or addrs.dtype not in (torch.int32, torch.int64):

@@ -28,7 +28,7 @@ import torch
 from .. import host_memory
 from ..address_space import UNHOMED, LogicalAllocator, Sequence, addresses_on, grow
 from ..config import CPUOffloadBaseline, ExactLRU, PoolConfig, Tiered
-from ..errors import CapacityError, InvalidAddressError, InvalidInputError, InvariantError
+from ..errors import CapacityError, InvalidAddressError, InvariantError
 from ..frame import MemoryReport, PoolFrame, Selection, debug_enabled, nbytes
 from ..invariants import check_invariants
 from ..kernels import common as K
@@ -162,11 +162,7 @@ class OffloadPool(PoolFrame):
         """Bring every selected address into its request's GPU buffer; slots index
         ``gpu_buffer(layer)``. Each request's buffer decides alone (its own LRU and quota)."""
         self._check_group(group)
-        if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
-            raise InvalidInputError("prepare: topk must be a [batch, k] or [batch, q, k] tensor")
-        if topk.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
-        self._check_device("prepare: topk", topk)
+        self._check_selection(topk)
         self._need_kernels("prepare")
         flat = topk.reshape(-1).to(torch.int64)
         slots = torch.full((flat.numel(),), -1, dtype=torch.int32, device=self.device)

@@ -353,11 +353,7 @@ class StripedPool(PoolFrame):
         self._need_kernels("prepare")
         self._check_usable()
         self._check_group(group)
-        if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
-            raise InvalidInputError("prepare: topk must be a [batch, k] or [batch, q, k] tensor")
-        if topk.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
-        self._check_device("prepare: topk", topk)
+        self._check_selection(topk)
         self._raise_refused()
         return readable_indices(topk)
 

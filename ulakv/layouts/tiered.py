@@ -281,15 +281,7 @@ class TieredPool(PoolFrame):
         selection still plans (the new tokens alone)."""
         self._check_group(group)
         self._need_kernels("prepare")
-        if not isinstance(topk, torch.Tensor):
-            raise InvalidInputError(f"prepare: topk must be a tensor, got {type(topk).__name__}")
-        if topk.dtype not in (torch.int32, torch.int64):
-            raise InvalidInputError(f"prepare: topk must be int32 or int64, got {topk.dtype}")
-        if topk.dim() not in (2, 3):
-            raise InvalidInputError(
-                f"prepare: topk must be [batch, k] or [batch, q, k], got shape {tuple(topk.shape)}"
-            )
-        self._check_device("prepare: topk", topk)
+        self._check_selection(topk)
         if out is not None:
             if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.numel() < topk.numel():
                 raise InvalidInputError(f"prepare: out must be an int32 tensor of >= {topk.numel()} elements")
