@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 import torch
 
-from tools.critical_path import GPU_PROGRAM_SLOTS, count_memory_ops, critical_path
+from tools.critical_path import H200_SMS, count_memory_ops, critical_path
 from ulakv import PBLRU, EntrySpec, ExactLRU, NewRows, Pool, PoolConfig, Tiered
 from ulakv.kernels import apply as apply_mod
 from ulakv.traces import SyntheticSpec, synthetic
@@ -121,11 +121,11 @@ def measure(batch: int, policy) -> dict:
         critical_path=critical_path(launches),
         # A launch of more programs than the GPU holds at once runs in waves: its length is at
         # least its programs' operations shared by the slots (``Launch.length``).
-        in_waves=" + ".join(f"{launch.kernel} {launch.length(GPU_PROGRAM_SLOTS)}" for launch in launches),
-        critical_path_in_waves=critical_path(launches, slots=GPU_PROGRAM_SLOTS),
+        in_waves=" + ".join(f"{launch.kernel} {launch.length(launch.slots(H200_SMS))}" for launch in launches),
+        critical_path_in_waves=critical_path(launches, sms=H200_SMS),
         write=" + ".join(f"{launch.kernel} {launch.busiest}" for launch in written),
         write_critical_path=critical_path(written),
-        write_in_waves=critical_path(written, slots=GPU_PROGRAM_SLOTS),
+        write_in_waves=critical_path(written, sms=H200_SMS),
         apart=critical_path(launches) + critical_path(written),
         apart_launches=len(launches) + len(written),
         one_plan=" + ".join(f"{launch.kernel} {launch.busiest}" for launch in fused),

@@ -114,3 +114,95 @@ def test_counters_and_refusals_span_the_contexts() -> None:
     with pytest.raises(InvalidAddressError, match=r"an earlier write to layer group 3 \(refused"):
         pool.check()
     pool.check()
+
+
+ENGINE_SHARED_BY_DESIGN = {"map_ptr", "claim_ptr"}  # the mapping; stamps, after a join (below)
+
+
+def test_engine_calls_share_no_word_with_a_call_context() -> None:
+    """An engine's admit and release check on words of their own: status, refusal count and report
+    are never a call context's (a prepare planning on a side stream read-modify-writes those). What
+    they share is the mapping they change and context 0's claim words, for the check's stamps;
+    both are safe because the pool joins the adapter's streams first (the next test)."""
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=WIDTH),
+            num_layers=3,
+            layout=Tiered(gpu_slots=8, cpu_slots=30),
+            engine_addresses=64,
+            validate=False,
+        )
+    )
+    gen = torch.Generator().manual_seed(5)
+    locs = torch.tensor([9, 3, 17, 40])
+    engine = launched(lambda: pool.admit_addresses(locs))
+    for layer in range(3):
+        pool.write(layer, locs.clone(), random_rows(gen, 4, WIDTH))
+    calls = [launched(lambda g=g: pool.prepare(g, locs.clone().view(1, 4))) for g in range(3)]
+    engine += launched(lambda: pool.release_addresses(locs[:2]))
+    # The check and its marking, and what the release kernel reads of it (its other arguments are
+    # the groups' state it frees homes in, as a pool-owned release does).
+    engine = [a for a in engine if a[0] != "release_kernel" or a[1] == "ctl_ptr"]
+    for g, call in enumerate(calls):
+        words = {name for _, name in shared(engine, call)} - ENGINE_SHARED_BY_DESIGN
+        assert words == set(), f"the engine's check shares {words} with group {g}'s calls"
+    pool.admit_addresses(torch.tensor([3, 3]))  # refused on its own words: raised at the next call
+    with pytest.raises(InvalidAddressError, match="an earlier admit_addresses"):
+        pool.prepare(1, locs[2:].view(1, 2))
+
+
+def test_a_raised_refusal_writes_no_device_word() -> None:
+    """The host learns a refusal from the counts in the report words and writes nothing back: a
+    clear of a context's pending word from another stream could land between that context's
+    planner reading and writing it, and bring the refusal back."""
+    pool = _pool(ExactLRU())
+    seq = pool.admit(4)
+    pool.write(0, seq.addresses, random_rows(torch.Generator().manual_seed(6), 4, WIDTH))
+    pool.prepare(1, torch.tensor([[int(seq.addresses[0]), 40]]))  # context 1: refused
+    contexts = pool.internals().runner.contexts
+    before = [st.ctl.clone() for st in contexts]
+    with pytest.raises(InvalidAddressError, match=r"an earlier prepare of layer group 1"):
+        pool.prepare(0, seq.addresses[:2].view(1, 2))  # context 0's call raises it, launching nothing
+    for at, (st, words) in enumerate(zip(contexts, before, strict=True)):
+        assert torch.equal(st.ctl, words), f"context {at}'s control words were written"
+    pool.check()  # raised once: not again at a synchronising call
+    pool.prepare(1, seq.addresses[:2].view(1, 2))
+    pool.check()
+
+
+def test_pool_wide_calls_join_the_adapters_streams_first() -> None:
+    """``SparseKV`` registers its streams' join with the pool (``order_after``); every call that acts
+    on the whole pool or reads it back runs it first, and a group's own calls do not (they run on
+    the group's stream, beside the other context's)."""
+    from ulakv.engine import SparseKV
+
+    pool = Pool(
+        PoolConfig(
+            entry=EntrySpec(bytes_per_layer=WIDTH),
+            num_layers=2,
+            layout=Tiered(gpu_slots=8, cpu_slots=30),
+            engine_addresses=64,
+            validate=False,
+        )
+    )
+    kv = SparseKV(pool, max_batch=2, top_k=4)
+    assert kv.internals().after_streams in pool.internals().joins
+    joins = []
+    pool.order_after(lambda: joins.append(1))
+    locs = torch.tensor([9, 3, 17, 40])
+    gen = torch.Generator().manual_seed(7)
+    calls = {
+        "admit_addresses": lambda: pool.admit_addresses(locs),
+        "write": lambda: kv.write(0, locs, random_rows(gen, 4, WIDTH)),
+        "prepare": lambda: kv.prepare(1, locs.view(1, 4)),
+        "read": lambda: pool.read(0, locs[:1]),
+        "residency": lambda: pool.residency(0, locs),
+        "stats": pool.stats,
+        "check_invariants": pool.check_invariants,
+        "live_addresses": pool.live_addresses,
+        "release_addresses": lambda: pool.release_addresses(locs),
+    }
+    for name, call in calls.items():
+        joins.clear()
+        call()
+        assert bool(joins) == (name not in ("write", "prepare")), name

@@ -100,3 +100,19 @@ def test_row_kernels_keep_more_warps_resident(variants: tuple[str, list[dict]]) 
         if v["kernel"] in ("apply_kernel", "gather_kernel") and v["resident_warps"] < ROW_WARP_FLOOR
     )
     assert not below, f"row-moving variants under {ROW_WARP_FLOOR} resident warps an SM: {below}"
+
+
+def test_grid_footprints_are_the_cubins(variants: tuple[str, list[dict]]) -> None:
+    """``kernels/grid.py`` sizes persistent grids and counts waves from each kernel's footprint:
+    the variant an SM holds the fewest of, as the sm_90 cubins report it."""
+    from ulakv.kernels.grid import FOOTPRINTS
+
+    _, found = variants
+    fewest: dict[str, tuple[int, dict]] = {}
+    for v in found:
+        held = v["programs_per_sm"]
+        if v["kernel"] not in fewest or held < fewest[v["kernel"]][0]:
+            fewest[v["kernel"]] = (held, v)
+    assert set(FOOTPRINTS) == set(KERNELS)
+    for kernel, (held, v) in fewest.items():
+        assert FOOTPRINTS[kernel].programs_per_sm == held, (kernel, FOOTPRINTS[kernel], v)

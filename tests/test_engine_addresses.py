@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ulakv import CapacityError, InvalidAddressError, InvalidInputError, Pool
+from ulakv.address_space import EngineAddresses
 from ulakv.config import EntrySpec, ExactLRU, PoolConfig, Tiered
-from ulakv.kernels import common as K
 from ulakv.kernels.engine_addresses import engine_addresses, engine_addresses_reference
 from ulakv.layouts.tiered_state import TieredState
 from ulakv.testing import kernel_settings
@@ -197,19 +197,22 @@ def test_kernel_equals_reference(admit: bool, addrs: list[int]) -> None:
     config = PoolConfig(
         EntrySpec(8), num_layers=3, layers_per_group=2, layout=Tiered(gpu_slots=4, cpu_slots=5)
     )
-    states, lives = [], []
+    states, books = [], []
     for _ in range(2):
         st_ = TieredState.allocate(config, addresses=16)
         st_.mapping[:, [4, 6, 9, 15]] = torch.tensor([-2, 0, 5, 1], dtype=torch.int32)  # live already
         states.append(st_)
-        lives.append(torch.tensor([4], dtype=torch.int64))
+        book = EngineAddresses(9, st_.mapping, torch.zeros(1, dtype=torch.int64))
+        book.live[0] = 4
+        books.append(book)
     addr = torch.tensor(addrs, dtype=torch.int64)
-    engine_addresses(addr, states[0], lives[0], 9, admit)
-    engine_addresses_reference(addr, states[1], lives[1], 9, admit)
+    engine_addresses(addr, states[0], books[0], admit)
+    engine_addresses_reference(addr, states[1], books[1], admit)
     assert torch.equal(states[0].mapping, states[1].mapping)
-    assert torch.equal(lives[0], lives[1])
-    for word in (K.E_LAST_STATUS, K.E_PENDING):
-        assert int(states[0].ctl[int(word)]) == int(states[1].ctl[int(word)])
+    assert torch.equal(books[0].live, books[1].live)
+    assert torch.equal(books[0].ctl, books[1].ctl)
+    assert torch.equal(books[0].report, books[1].report)
+    assert torch.equal(states[0].ctl, TieredState.allocate(config, addresses=16).ctl), "no call word"
 
 
 def test_deferred_refusal_raises_at_the_next_call_and_changes_nothing() -> None:

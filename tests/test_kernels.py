@@ -186,7 +186,7 @@ def few_program_slots(monkeypatch: pytest.MonkeyPatch, slots: int) -> None:
     """Persistent grids (apply's workers, classify's pool-wide lists) of ``slots`` programs, so
     that each program strides over several tiles or blocks, as on a GPU under a large call."""
     for module in (apply_mod, lookup_mod):
-        monkeypatch.setattr(module, "program_slots", lambda device: slots)
+        monkeypatch.setattr(module, "program_slots", lambda device, kernel: slots)
 
 
 @pytest.mark.parametrize("slots", [None, 3], ids=["slots-of-an-h200", "3-program-slots"])

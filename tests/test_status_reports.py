@@ -142,16 +142,13 @@ def test_a_refusal_is_raised_by_the_next_call_naming_its_kind(call: str) -> None
 
 def test_a_report_of_several_refusals_names_the_latest_and_counts_them() -> None:
     """The host side alone: reports are raised once each, with the refusals since the last raised."""
-    ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64)
     report = torch.zeros(1, dtype=torch.int64)
-    deferred = DeferredStatus([report], [ctl])
+    deferred = DeferredStatus([report])
     assert deferred.take() is None
-    ctl[int(K.E_PENDING)] = int(K.ST_DUPLICATE | K.ST_TOO_LARGE)
     report[0] = (2 << 32) | (int(K.CALL_PREPARE) << 8) | int(K.ST_TOO_LARGE)
     refusal = deferred.take()
     assert refusal == Refusal(status=int(K.ST_TOO_LARGE), call="prepare", group=0, calls=2)
     assert "the latest of 2 refused calls" in refusal.describe()
-    assert int(ctl[int(K.E_PENDING)]) == 0, "the device's pending word is cleared with it"
     assert deferred.take() is None, "raised once"
     report[0] = (3 << 32) | (int(K.CALL_WRITE) << 8) | int(K.ST_BAD_ADDRESS)
     deferred.forget()  # a synchronising check raised it
@@ -161,9 +158,8 @@ def test_a_report_of_several_refusals_names_the_latest_and_counts_them() -> None
 def test_a_report_names_the_layer_group_of_the_newest_refusal() -> None:
     """One word a group: the newest count names the call and its group, every newer word's bits
     are OR-ed and the calls counted from the last raised; the count wraps at 32 bits."""
-    ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64)
     report = torch.zeros(4, dtype=torch.int64)
-    deferred = DeferredStatus([report], [ctl])
+    deferred = DeferredStatus([report])
     report[1] = (1 << 32) | (int(K.CALL_WRITE) << 8) | int(K.ST_DUPLICATE)
     report[3] = (3 << 32) | (int(K.CALL_PREPARE) << 8) | int(K.ST_TOO_LARGE)
     refusal = deferred.take()
@@ -187,9 +183,8 @@ def test_a_word_read_after_a_newer_one_adds_no_call() -> None:
     """The host reads a context's words one after another while the device may store: group 1's
     count 3 seen before group 0's count 2 (stored first, read late). Count 3 was raised as 3 calls,
     so count 2, seen later, was among them: it adds nothing, and the count never goes back."""
-    ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64)
     report = torch.zeros(2, dtype=torch.int64)
-    deferred = DeferredStatus([report], [ctl])
+    deferred = DeferredStatus([report])
     report[1] = (3 << 32) | (int(K.CALL_WRITE) << 8) | int(K.ST_DUPLICATE)
     assert deferred.take() == Refusal(int(K.ST_DUPLICATE), "write", group=1, calls=3)
     report[0] = (2 << 32) | (int(K.CALL_PREPARE) << 8) | int(K.ST_TOO_LARGE)

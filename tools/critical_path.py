@@ -10,13 +10,15 @@ module counts the operations each program issues::
     with count_memory_ops() as launches:
         pool.prepare(group, topk)
     critical_path(launches)  # sum over launches of the busiest program's operations
-    critical_path(launches, slots=GPU_PROGRAM_SLOTS)  # the same, launches run in waves
+    critical_path(launches, sms=H200_SMS)  # the same, each launch run in waves
 
 A launch with more programs than the GPU holds at once runs in waves: its programs share the SMs'
 program slots, so it lasts at least its programs' operations divided by the slots, however short
 its busiest program. ``Launch.length(slots)`` is the larger of the two (a list schedule of
-independent programs ends within one busiest program of that bound). It is what compares a grid
-sized by the call with a persistent grid sized by the machine, whose programs stride over the work.
+independent programs ends within one busiest program of that bound). The slots are the kernel's
+own: the SMs times the programs of it an SM holds (``ulakv.kernels.grid.FOOTPRINTS``, from the
+sm_90 cubins), so classify's 16-warp programs count 132 slots on an H200 and decide's 924. It is
+what compares a grid sized by the call with a persistent grid, whose programs stride over the work.
 
 Counting patches the interpreter's builder for the duration of the block (one block at a time).
 Only the outermost builder call of an operation counts: the interpreter builds an unmasked load or
@@ -34,9 +36,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ulakv.kernels._triton import INTERPRETED
-from ulakv.kernels.grid import GPU_PROGRAM_SLOTS
+from ulakv.kernels.grid import FOOTPRINTS, H200_SMS
 
-__all__ = ["GPU_PROGRAM_SLOTS", "Launch", "count_memory_ops", "critical_path"]
+__all__ = ["H200_SMS", "Launch", "count_memory_ops", "critical_path"]
 
 # The builder calls that issue a memory operation: loads, stores, atomics (read-modify-write, CAS).
 _MEMORY_OPS = (
@@ -71,6 +73,16 @@ class Launch:
     def total(self) -> int:
         return sum(self.per_program.values())
 
+    def slots(self, sms: int) -> int:
+        """Programs of this kernel that ``sms`` SMs hold at once (its sm_90 footprint)."""
+        if self.kernel not in FOOTPRINTS:
+            raise KeyError(f"{self.kernel}: no footprint in ulakv.kernels.grid.FOOTPRINTS (compile_check)")
+        return sms * FOOTPRINTS[self.kernel].programs_per_sm
+
+    def waves(self, sms: int) -> int:
+        """Waves the launch's programs run in on ``sms`` SMs."""
+        return -(-self.programs // self.slots(sms))
+
     def length(self, slots: int | None = None) -> int:
         """The launch's length in dependent steps: its busiest program, or with ``slots`` program
         slots, its programs' operations shared by the slots if that is longer (waves)."""
@@ -79,9 +91,12 @@ class Launch:
         return max(self.busiest, -(-self.total // slots))
 
 
-def critical_path(launches: list[Launch], slots: int | None = None) -> int:
-    """Sum over the launches of their lengths: the busiest program's operations, or with ``slots``
-    the wave-aware length (:meth:`Launch.length`)."""
+def critical_path(launches: list[Launch], slots: int | None = None, sms: int | None = None) -> int:
+    """Sum over the launches of their lengths: the busiest program's operations, or the wave-aware
+    length (:meth:`Launch.length`) with ``slots`` program slots for every launch, or with ``sms``
+    SMs, each launch's own slots (:meth:`Launch.slots`)."""
+    if sms is not None:
+        return sum(launch.length(launch.slots(sms)) for launch in launches)
     return sum(launch.length(slots) for launch in launches)
 
 

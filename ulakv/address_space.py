@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import CapacityError, InvalidAddressError, InvalidInputError
+from .kernels import common as K
 
 FREE = -1
 UNHOMED = -2
@@ -178,12 +179,19 @@ class EngineAddresses:
     engine's ``admit_addresses``/``release_addresses`` without the host reading anything back; a
     device counter holds how many are live, so admission is refused beyond ``capacity``. Reading the
     count (``free``, ``free_runs``) synchronises: stats and invariant checks only.
+
+    The check's status and refusal count are control words of its own (``ctl``, the layout of a
+    call context's) and it reports a refusal to a word of its own (``report``): a call context's
+    words are read-modify-written by prepares planning on the adapter's streams, so an engine call
+    shares none of them.
     """
 
-    def __init__(self, capacity: int, mapping: torch.Tensor) -> None:
+    def __init__(self, capacity: int, mapping: torch.Tensor, report: torch.Tensor) -> None:
         self.capacity = capacity
         self._mapping = mapping
         self.live = torch.zeros(1, dtype=torch.int64, device=mapping.device)
+        self.ctl = torch.zeros(int(K.CTL_WORDS), dtype=torch.int64, device=mapping.device)
+        self.report = report
 
     @property
     def free(self) -> int:

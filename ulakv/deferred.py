@@ -11,12 +11,18 @@ has raised, and the word it was found in names the group (an error names the cal
 
 Each later call reads that word as plain memory: no copy, no CUDA event, no wait, nothing launched.
 A report the host has not raised yet is raised there, to that call's caller, naming the kind of call
-refused (and how many were refused since the last one raised), and the device's ``E_PENDING`` is
-cleared in stream order. So an error surfaces at the first call made after the refusing kernel's
-store reached host memory, usually the next step's, and at the latest at the next synchronising
-call (``check``, ``stats``, ``read``), which reads ``E_PENDING`` and the word together. On the CPU
-the store is immediate: the very next call raises. Inside a CUDA-graph capture nothing is looked at
-(the store is captured with its kernel; replays report their own refusals).
+refused (and how many were refused since the last one raised). So an error surfaces at the first
+call made after the refusing kernel's store reached host memory, usually the next step's, and at
+the latest at the next synchronising call (``check``, ``stats``, ``read``), which waits for the
+device and then reads the words. On the CPU the store is immediate: the very next call raises.
+Inside a CUDA-graph capture nothing is looked at (the store is captured with its kernel; replays
+report their own refusals).
+
+The host writes no device memory here. What is new is told by the counts in the words, never by
+clearing a device word: ``E_PENDING`` is read-modify-written by each context's planning program on
+that context's stream, and a clear launched from another stream could land between the read and
+the write, so that an already raised refusal came back (``E_PENDING`` stays a sticky OR, kept for
+inspection, which no raise depends on).
 
 Before this word, every non-validating call copied ``E_PENDING`` to pinned memory and recorded an
 event behind the copy: about 123 copies and events a decode step of a 61-layer model.
@@ -65,12 +71,11 @@ def _ahead(count: int, seen: int) -> int:
 
 class DeferredStatus:
     """The host side of one pool's refusal reports: one word per layer group per call context
-    (``TieredRunner``), each context with its own count, and the pending words to clear when one
-    is raised."""
+    (``TieredRunner``), each context with its own count; ``reports`` holds each context's words
+    (a context's words are those of one count: its call context's ``E_REFUSALS``)."""
 
-    def __init__(self, reports: Sequence[torch.Tensor], pending: Sequence[torch.Tensor]) -> None:
-        self._pending = [ctl[int(K.E_PENDING)].view(1) for ctl in pending]
-        self._cuda = reports[0].device.type == "cuda" or pending[0].device.type == "cuda"
+    def __init__(self, reports: Sequence[torch.Tensor]) -> None:
+        self._cuda = reports[0].device.type == "cuda"
         # Read as plain memory: no tensor op, no copy, no sync (a meta pool reports nothing).
         self._words = [r.numpy() for r in reports if r.device.type != "meta"]
         self._looked = [w.tolist() for w in self._words]  # each context's words as last looked at
@@ -79,9 +84,9 @@ class DeferredStatus:
 
     def take(self) -> Refusal | None:
         """The refusals reported and not raised yet, if their stores have reached host memory:
-        marked seen, and the device's pending words cleared (in stream order: launches, no wait).
-        Reports of several groups or contexts at once come back as one: all counted, their bits
-        OR-ed, the call and group named those of the first context's latest report."""
+        marked seen (on the host only: nothing is written to the device). Reports of several
+        groups or contexts at once come back as one: all counted, their bits OR-ed, the call and
+        group named those of the first context's latest report."""
         if not self._words or (self._cuda and torch.cuda.is_current_stream_capturing()):
             return None
         found: Refusal | None = None
@@ -95,9 +100,6 @@ class DeferredStatus:
                 found = Refusal(
                     found.status | latest.status, found.call, found.group, found.calls + latest.calls
                 )
-        if found is not None:
-            for pending in self._pending:
-                pending.zero_()
         return found
 
     def _latest(self, i: int, words: list[int]) -> Refusal | None:
@@ -124,6 +126,7 @@ class DeferredStatus:
         return Refusal(status=status, call=call, group=group, calls=newest)
 
     def forget(self) -> None:
-        """After a synchronising read of ``E_PENDING`` (``check``): every report so far is seen."""
+        """After a call's own status was read and raised (a validating call): every report so far
+        is seen."""
         for i, words in enumerate(self._words):
             self._latest(i, words.tolist())

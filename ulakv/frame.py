@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,22 @@ class PoolFrame(abc.ABC):
     def internals(self) -> Internals:
         """The testing hook: this pool's private attributes (``Internals``)."""
         return Internals(self)
+
+    # What a pool-wide call waits for first: work in flight on an adapter's streams (order_after).
+    _joins: tuple[Callable[[], None], ...] = ()
+
+    def order_after(self, join: Callable[[], None]) -> None:
+        """Call ``join`` first in every call that acts on the whole pool or reads its state back
+        (``release``, ``admit_addresses``, ``release_addresses``, ``live_addresses``, ``read``,
+        ``residency``, ``check``, ``stats``, ``check_invariants``, ``state_dict``). ``SparseKV``
+        registers the join of its call contexts' streams: an engine's admit or release then never
+        runs beside a prepare still planning or moving rows on a side stream (both write the
+        mapping, and the engine's check stamps context 0's claim words). Stream waits, no sync."""
+        self._joins = (*self._joins, join)
+
+    def _join(self) -> None:
+        for join in self._joins:
+            join()
 
     @abc.abstractmethod
     def memory(self) -> MemoryReport:

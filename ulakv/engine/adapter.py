@@ -106,6 +106,9 @@ class SparseKV:
             else None
         )
         self._done: list[torch.cuda.Event | None] = [None] * self._contexts  # each stream's last event
+        # The pool's own pool-wide calls (an engine's admit_addresses / release_addresses, release,
+        # read, check ...) then wait for every stream's work first, whoever makes them.
+        pool.order_after(self._after_streams)
 
     def prepare(self, group: int, topk: torch.Tensor, *, new: NewRows | None = None) -> GroupStep:
         """Plan ``group``'s moves for the selection ``topk`` (``[B, K]`` or ``[B, Q, K]``, -1

@@ -416,14 +416,18 @@ def apply_kernel(
     UNIT_BYTES: tl.constexpr,
     CACHE: tl.constexpr,
 ):
-    # Three kinds of program. The first ``element_programs`` serve ELEMS elements each: their
-    # slots (a prepare) and LRU appends (exact LRU), work the call's size sets. In a write, the next
-    # ``homed_programs`` store the rows of entries homed before it, ROWS rows a step. The rest are a
-    # persistent grid, the GPU's program slots or fewer: each strides over the work the plan
-    # counted (read here, on the device), ROWS misses a step, then the ring blocks of a compacting
-    # call. A grid sized by the call instead launched a program per ROWS elements, 196,608 at batch
-    # 256 x 3 x 2048, most with no miss to move. (The write's homed rows have programs of their own:
-    # in the workers' loop their hoisted addresses spilled 24 B at 128 registers.)
+    # Three kinds of program. The first ``workers`` are a persistent grid, no more than the SMs
+    # hold at once: each strides over the work the plan counted (read here, on the device), ROWS
+    # misses a step, then the ring blocks of a compacting call. They come first because a GPU
+    # starts a launch's programs in order, and the misses' rows over PCIe are the launch's longest
+    # work: behind 6,144 element programs (batch 256 x 3 x 2048) they started 15 waves late (396
+    # apply programs resident on an H200, ``grid.FOOTPRINTS``). The next
+    # ``element_programs`` serve ELEMS elements each: their slots (a prepare) and LRU appends (exact
+    # LRU), work the call's size sets. In a write, the last ``homed_programs`` store the rows of
+    # entries homed before it, ROWS rows a step. (A grid sized by the call launched a worker per
+    # ROWS elements, 196,608 at batch 256 x 3 x 2048, most with no miss to move; the write's homed
+    # rows have programs of their own: in the workers' loop their hoisted addresses spilled 24 B
+    # at 128 registers.)
     pid = tl.program_id(0)
     # Layer offsets in int64: 4 layers x 5 M CPU rows x 164 words already passes 2**31.
     gpu_layer_stride = gpu_layer_stride.to(tl.int64)
@@ -444,8 +448,36 @@ def apply_kernel(
     element_programs = 0
     if (not WRITE) or (POLICY == K.EXACT_LRU):
         element_programs = (T + ELEMS - 1) // ELEMS
-    if pid < element_programs:
-        e0 = pid.to(tl.int64) * ELEMS
+    workers = tl.num_programs(0) - element_programs - homed_programs
+    if pid >= workers + element_programs:
+        if WRITE & (status == 0) & run_in:  # a write's rows of entries homed before it, where they live
+            tile = (pid - workers - element_programs).to(tl.int64)
+            layer_bytes = group_row_bytes // L
+            while tile < (T + ROWS - 1) // ROWS:
+                _write_homed(
+                    tile * ROWS,
+                    T,
+                    G,
+                    flags_ptr,
+                    home_ptr,
+                    copy_row_ptr,
+                    rows_ptr,
+                    gpu_ptr,
+                    cpu_ptr,
+                    write_layer,
+                    gpu_layer_stride,
+                    cpu_layer_stride,
+                    n_vec,
+                    stats_ptr,
+                    layer_bytes,
+                    VECS,
+                    UNIT,
+                    UNIT_BYTES,
+                    ROWS,
+                )
+                tile += homed_programs
+    elif pid >= workers:
+        e0 = (pid - workers).to(tl.int64) * ELEMS
         pos = e0 + tl.arange(0, ELEMS)
         inb = pos < T
         if status != 0:
@@ -480,36 +512,8 @@ def apply_kernel(
                 POLICY,
                 CHUNK,
             )
-    elif pid < element_programs + homed_programs:
-        if WRITE & (status == 0) & run_in:  # a write's rows of entries homed before it, where they live
-            tile = (pid - element_programs).to(tl.int64)
-            layer_bytes = group_row_bytes // L
-            while tile < (T + ROWS - 1) // ROWS:
-                _write_homed(
-                    tile * ROWS,
-                    T,
-                    G,
-                    flags_ptr,
-                    home_ptr,
-                    copy_row_ptr,
-                    rows_ptr,
-                    gpu_ptr,
-                    cpu_ptr,
-                    write_layer,
-                    gpu_layer_stride,
-                    cpu_layer_stride,
-                    n_vec,
-                    stats_ptr,
-                    layer_bytes,
-                    VECS,
-                    UNIT,
-                    UNIT_BYTES,
-                    ROWS,
-                )
-                tile += homed_programs
     elif status == 0:
-        worker = pid - element_programs - homed_programs
-        workers = tl.num_programs(0) - element_programs - homed_programs
+        worker = pid
         M = control_word(ctl, K.E_MISSES)
         miss_tiles = (M + ROWS - 1) // ROWS
         rows = Rows(gpu_ptr, cpu_ptr, gpu_layer_stride, cpu_layer_stride, n_vec, L)
@@ -720,13 +724,13 @@ def _write_homed(
 
 
 def apply_grid(st, T: int, write: bool, tiling: Tiling) -> tuple[tuple[int], int]:
-    """Apply's grid and how many of its programs store a write's homed rows. One program per
-    ``tiling.elements`` elements when there is element work (a prepare's slots, exact LRU's
-    appends); in a write, programs for its T rows, ``tiling.rows`` a step; then the persistent
-    workers for the misses and the ring's blocks. Each persistent kind is the GPU's program slots,
-    or fewer when the call cannot have that much work. Sized on the host from the call's shape
-    alone: no read-back."""
-    slots = program_slots(st.ctl.device)
+    """Apply's grid and how many of its programs store a write's homed rows. First the persistent
+    workers for the misses and the ring's blocks; then one program per ``tiling.elements``
+    elements when there is element work (a prepare's slots, exact LRU's appends); in a write, last,
+    programs for its T rows, ``tiling.rows`` a step. Each persistent kind is as many programs as
+    the SMs hold of apply at once (``grid.program_slots``), or fewer when the call cannot have that
+    much work. Sized on the host from the call's shape alone: no read-back."""
+    slots = program_slots(st.ctl.device, "apply_kernel")
     element_programs = K.cdiv(T, tiling.elements) if (not write or st.policy == K.EXACT_LRU) else 0
     homed_programs = min(K.cdiv(T, tiling.rows), slots) if write else 0
     work = K.cdiv(T, tiling.rows)  # a call moves at most T misses

@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .grid import resident_warps
+
 # What a launch hands to ``intercept_launches``' callback: the JITFunction, Triton's cache key of
 # the specialisation (one compiled binary per distinct key), and what Triton would compile.
 OnLaunch = Callable[[Any, str, dict], None]
@@ -176,17 +178,10 @@ class Variant:
     def resident_warps(self) -> int:
         return resident_warps(self.registers, self.warps, self.shared_bytes)
 
-
-def resident_warps(registers: int, warps: int, shared_bytes: int) -> int:
-    """Warps an SM keeps resident on Hopper for a kernel of ``registers`` a thread, ``warps`` a
-    program and ``shared_bytes`` of shared memory a program: each of the 4 sub-partitions holds
-    16,384 registers, allocated 256 to a warp; 64 warps and 32 programs at most; 228 KiB of shared
-    memory, allocated 128 B at a time, with 1 KiB reserved a program. A memory-bound kernel hides
-    latency with resident warps; 8 of 64 cannot hide HBM's."""
-    per_warp = -(-registers * 32 // 256) * 256
-    programs = min(32, 64 // warps, 4 * (16384 // per_warp) // warps)
-    shared = -(-shared_bytes // 128) * 128 + 1024
-    return min(programs, (228 * 1024) // shared) * warps
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs an SM holds at once: a launch of more than the SMs hold runs in waves."""
+        return self.resident_warps // self.warps
 
 
 _FLAGS = ("POLICY", "WRITE", "NEW", "CACHE", "ADMIT", "CHECKED")
@@ -285,18 +280,24 @@ def main() -> None:
     print(f"compiled for sm_{args.arch}: {', '.join(names)}")
     print(f"variants: {len(variants)} ({', '.join(f'{k} {counts[k]}' for k in names)})")
     print(
-        "kernel | registers | stack (B) | shared (B) | warps | resident warps | widest load | widest store"
-        " | row vector (B) | flags"
+        "kernel | registers | stack (B) | shared (B) | warps | resident warps | programs an SM"
+        " | widest load | widest store | row vector (B) | flags"
     )
     for v in sorted(variants, key=lambda v: v.kernel):
         print(
             f"{v.kernel} | {v.registers} | {v.stack_bytes} | {v.shared_bytes} | {v.warps} | "
-            f"{v.resident_warps} | {v.widest_load_bits} | {v.widest_store_bits} | {v.vector_bytes} | "
+            f"{v.resident_warps} | {v.programs_per_sm} | {v.widest_load_bits} | {v.widest_store_bits} | "
+            f"{v.vector_bytes} | "
             f"{v.flags}"
         )
     if args.json is not None:
         args.json.write_text(
-            json.dumps([{**asdict(v), "resident_warps": v.resident_warps} for v in variants])
+            json.dumps(
+                [
+                    {**asdict(v), "resident_warps": v.resident_warps, "programs_per_sm": v.programs_per_sm}
+                    for v in variants
+                ]
+            )
         )
 
 

@@ -24,10 +24,14 @@ because it is the work that grows with the groups: done in the check's program, 
 into 61 one-layer groups (DSA's indexer per layer) was 2,037 memory operations in a row
 (``benchmarks/release_path.py``); a program per group and block stores one block.
 
-The stamps go into the lookup's ``claim`` array (int64 per address), so an engine-owned pool needs
-no scratch of its own: pass 2 reads only stamps pass 1 wrote in the same call, and a stamp (a
-position, below 2**31) carries epoch 0, which no lookup's claim key (``epoch << 32 | ...``, epoch
->= 1) mistakes for one of its own.
+The status, the refusal count and the report are the engine's own words (``EngineAddresses``: a
+control-word row and a report word), shared with no call context, whose planning programs
+read-modify-write theirs on the adapter's streams. The stamps go into the lookup's ``claim`` array
+(int64 per address), so an engine-owned pool needs no scratch of its own: pass 2 reads only stamps
+pass 1 wrote in the same call, and a stamp (a position, below 2**31) carries epoch 0, which no
+lookup's claim key (``epoch << 32 | ...``, epoch >= 1) mistakes for one of its own. That array is
+shared with the calls of context 0, so an engine call runs only after every call context's work
+in flight (``TieredPool`` joins the adapter's streams first: ``order_after``).
 """
 
 from __future__ import annotations
@@ -114,11 +118,14 @@ def mark_live_kernel(addr_ptr, n, map_ptr, N, ctl_ptr, BLOCK: tl.constexpr):
     tl.store(map_ptr + g * N + a, tl.full((BLOCK,), K.M_UNHOMED, tl.int32), mask=inr)
 
 
-def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: int, admit: bool) -> int:
-    """Check ``addrs`` (packed int32/int64 ``[n]``, -1 padding) against ``state`` (a ``TieredState``)
-    and, if they pass, make them live (``admit``; at most ``capacity`` live at once) or count them out
-    (release, whose homes ``ulakv.kernels.release`` frees after); the status lands in ``state.ctl``.
-    ``live`` is int64 ``[1]``. Returns launches (2 for an admit, 1 for a release)."""
+def engine_addresses(addrs: torch.Tensor, state, books, admit: bool) -> int:
+    """Check ``addrs`` (packed int32/int64 ``[n]``, -1 padding) against ``state`` (its ``mapping``,
+    ``claim`` for the stamps, ``num_addresses`` and ``num_groups``) and, if they pass, make them live
+    (``admit``; at most ``books.capacity`` live at once) or count them out (release, whose homes
+    ``ulakv.kernels.release`` frees after). The status goes to ``books.ctl`` and a refusal's report to
+    ``books.report``: the engine's own words (``EngineAddresses``), never a call context's, which a
+    prepare planning on another stream read-modify-writes. ``books.live`` is int64 ``[1]``. Returns
+    launches (2 for an admit, 1 for a release)."""
     n = addrs.numel()
     engine_addresses_kernel[(1,)](
         addr_ptr=addrs,
@@ -126,10 +133,10 @@ def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: i
         map_ptr=state.mapping,
         N=state.num_addresses,
         claim_ptr=state.claim,
-        live_ptr=live,
-        capacity=capacity,
-        ctl_ptr=state.ctl,
-        report_ptr=state.report,
+        live_ptr=books.live,
+        capacity=books.capacity,
+        ctl_ptr=books.ctl,
+        report_ptr=books.report,
         ADMIT=admit,
         BLOCK=K.BLOCK,
     )
@@ -137,14 +144,12 @@ def engine_addresses(addrs: torch.Tensor, state, live: torch.Tensor, capacity: i
         return 1
     # Blocks on the grid's first axis (up to 2**31 - 1 programs), groups on the second (65,535).
     mark_live_kernel[(K.cdiv(n, K.BLOCK), state.num_groups)](
-        addr_ptr=addrs, n=n, map_ptr=state.mapping, N=state.num_addresses, ctl_ptr=state.ctl, BLOCK=K.BLOCK
+        addr_ptr=addrs, n=n, map_ptr=state.mapping, N=state.num_addresses, ctl_ptr=books.ctl, BLOCK=K.BLOCK
     )
     return 2
 
 
-def engine_addresses_reference(
-    addrs: torch.Tensor, state, live: torch.Tensor, capacity: int, admit: bool
-) -> None:
+def engine_addresses_reference(addrs: torch.Tensor, state, books, admit: bool) -> None:
     """Plain-Python twin of :func:`engine_addresses` (a set finds the duplicates; no stamps)."""
     N = state.num_addresses
     given = [a for a in addrs.tolist() if a != -1]
@@ -155,15 +160,15 @@ def engine_addresses_reference(
     status = int(K.ST_BAD_ADDRESS) if bad else 0
     if len(set(inside)) != len(inside):
         status |= int(K.ST_DUPLICATE)
-    if admit and int(live[0]) + len(inside) > capacity:
+    if admit and int(books.live[0]) + len(inside) > books.capacity:
         status |= int(K.ST_FULL)
     if status == 0:
         if admit:
             for a in inside:
                 state.mapping[:, a] = int(K.M_UNHOMED)
-        live[0] += len(inside) if admit else -len(inside)
-    state.ctl[int(K.E_LAST_STATUS)] = status
-    state.ctl[int(K.E_PENDING)] |= status
+        books.live[0] += len(inside) if admit else -len(inside)
+    books.ctl[int(K.E_LAST_STATUS)] = status
+    books.ctl[int(K.E_PENDING)] |= status
     K.report_refusal_reference(
-        state.ctl, state.report, status, int(K.CALL_ADMIT if admit else K.CALL_RELEASE)
+        books.ctl, books.report, status, int(K.CALL_ADMIT if admit else K.CALL_RELEASE)
     )

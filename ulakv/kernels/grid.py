@@ -1,25 +1,95 @@
-"""How many programs a persistent grid launches: as many as the GPU holds at once.
+"""How many programs of a kernel an SM holds at once, and how many a persistent grid launches.
 
-A grid sized by the call (a program a tile of the call's elements) puts most of its programs on
-work that may not exist: at batch 256 x 3 x 2048 a prepare's misses fill a few thousand 8-row
-tiles of the 196,608 the call could need, and each idle program still loads its control words
-before it finds out. A persistent grid launches the programs the SMs hold at once, and each strides
-over the work the plan counted, reading the count on the device (no host read-back).
+An SM keeps a kernel's programs resident as far as its registers, warps and shared memory allow;
+a launch of more programs than the SMs hold runs in waves, each wave after a program of the one
+before has left. So a launch's length is set by its resident programs, a kernel's own figure:
+classify's 16-warp, 128-register programs fit one an SM (132 on an H200), decide's 4-warp ones
+seven. ``FOOTPRINTS`` holds each kernel's sm_90 footprint (its most demanding variant, read from
+the cubins by ``python -m ulakv.kernels.compile_check``; ``tests/test_compile_sm90.py`` holds the
+table equal to them), ``programs_per_sm`` what an SM holds of it.
+
+A persistent grid (apply's workers, classify's pool-wide lists) launches no more programs than the
+SMs hold at once: each strides over the work the plan counted, reading the count on the device (no
+host read-back). A grid sized by the call instead (a program a tile of its elements) puts most of
+its programs on work that may not exist: at batch 256 x 3 x 2048 a prepare's misses fill a few
+thousand 8-row tiles of the 196,608 the call could need. Sized by what is resident, no program of
+such a grid waits for another wave, so a grid-wide wait added to it could not deadlock.
+
+``tools/critical_path.py`` counts a launch's waves with the same figures.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
-# The GPU the interpreter's figures model: an H200's 132 SMs. Four programs of 8 warps an SM (32
-# warps): the row-moving kernels hold 16-40 resident warps an SM (``compile_check``); a program
-# past the resident ones waits for a slot and costs one control-word load, one short of them leaves
-# an SM without memory in flight, so the count errs high.
+# The GPU the interpreter's figures model: an H200 (132 SMs, sm_90).
 H200_SMS = 132
-PROGRAMS_PER_SM = 4
-GPU_PROGRAM_SLOTS = H200_SMS * PROGRAMS_PER_SM
+
+# Hopper's SM: 4 sub-partitions of 16,384 registers, allocated 256 to a warp; 64 warps and 32
+# programs at most; 228 KiB of shared memory, allocated 128 B at a time, with 1 KiB reserved a program.
+_SUBPARTITION_REGISTERS = 16384
+_REGISTER_GRANULE = 256
+_MAX_WARPS = 64
+_MAX_PROGRAMS = 32
+_SHARED_BYTES = 228 * 1024
+_SHARED_GRANULE = 128
+_SHARED_RESERVED = 1024
+
+
+def resident_programs(registers: int, warps: int, shared_bytes: int) -> int:
+    """Programs of ``warps`` warps, ``registers`` a thread and ``shared_bytes`` of shared memory
+    that one Hopper SM keeps resident at once."""
+    per_warp = -(-registers * 32 // _REGISTER_GRANULE) * _REGISTER_GRANULE
+    by_registers = 4 * (_SUBPARTITION_REGISTERS // per_warp) // warps
+    shared = -(-shared_bytes // _SHARED_GRANULE) * _SHARED_GRANULE + _SHARED_RESERVED
+    return min(_MAX_PROGRAMS, _MAX_WARPS // warps, by_registers, _SHARED_BYTES // shared)
+
+
+def resident_warps(registers: int, warps: int, shared_bytes: int) -> int:
+    """Warps an SM keeps resident for such a kernel: a memory-bound kernel hides latency with
+    them (8 of 64 cannot hide HBM's)."""
+    return resident_programs(registers, warps, shared_bytes) * warps
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one program of a kernel holds on an SM: registers a thread, warps, shared memory."""
+
+    registers: int
+    warps: int
+    shared_bytes: int
+
+    @property
+    def programs_per_sm(self) -> int:
+        return resident_programs(self.registers, self.warps, self.shared_bytes)
+
+
+# Each kernel's variant that an SM holds the fewest of, on sm_90 (``compile_check``; the comment
+# names the variant and what an SM holds of it).
+FOOTPRINTS: dict[str, Footprint] = {
+    "apply_kernel": Footprint(80, 8, 4096),  # a one-plan write and read (exact LRU): 3 an SM
+    "census_kernel": Footprint(92, 4, 8192),  # 5
+    "claim_kernel": Footprint(80, 4, 32),  # a prepare's: 6
+    "classify_kernel": Footprint(128, 16, 8192),  # exact LRU's write: 1
+    "compact_kernel": Footprint(80, 4, 256),  # 6
+    "decide_kernel": Footprint(72, 4, 2048),  # exact LRU: 7
+    "engine_addresses_kernel": Footprint(48, 4, 32),  # 10
+    "gather_kernel": Footprint(40, 4, 0),  # 12
+    "homes_kernel": Footprint(88, 4, 256),  # 5
+    "mark_live_kernel": Footprint(32, 4, 0),  # 16
+    "place_kernel": Footprint(81, 4, 8192),  # 5
+    "release_kernel": Footprint(102, 8, 256),  # exact LRU: 2
+    "round_end_kernel": Footprint(72, 4, 32),  # 7
+    "slots_kernel": Footprint(36, 4, 2048),  # 12
+}
+
+
+def programs_per_sm(kernel: str) -> int:
+    """Programs of ``kernel`` (a name in ``FOOTPRINTS``) one SM holds at once."""
+    return FOOTPRINTS[kernel].programs_per_sm
 
 
 @functools.cache
@@ -27,11 +97,14 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def program_slots(device: torch.device) -> int:
-    """Programs a persistent grid launches on ``device``: its SMs x ``PROGRAMS_PER_SM`` (the H200's
-    132 SMs off a GPU, so that the interpreter runs the grid a GPU would)."""
+def sm_count(device: torch.device) -> int:
+    """SMs of ``device`` (the H200's 132 off a GPU, so that the interpreter runs the grid a GPU would)."""
     if device.type == "cuda":
-        return (
-            _sms(device.index if device.index is not None else torch.cuda.current_device()) * PROGRAMS_PER_SM
-        )
-    return GPU_PROGRAM_SLOTS
+        return _sms(device.index if device.index is not None else torch.cuda.current_device())
+    return H200_SMS
+
+
+def program_slots(device: torch.device, kernel: str) -> int:
+    """Programs of ``kernel`` that ``device``'s SMs hold at once: the most a persistent grid of it
+    launches."""
+    return sm_count(device) * programs_per_sm(kernel)

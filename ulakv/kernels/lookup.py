@@ -499,7 +499,8 @@ def classify_programs(st, T: int) -> int:
     compacting call scans the ring up to its tail) or ranges of CHUNK slots (PB-LRU), each program
     taking every P-th."""
     blocks = st.gpu_slots if st.policy == K.PBLRU else st.q_slot.shape[1]
-    return max(K.cdiv(T, K.CHUNK), min(K.cdiv(blocks, K.CHUNK), program_slots(st.ctl.device)))
+    resident = program_slots(st.ctl.device, "classify_kernel")  # one an SM: 132 on an H200
+    return max(K.cdiv(T, K.CHUNK), min(K.cdiv(blocks, K.CHUNK), resident))
 
 
 def lookup_and_plan(

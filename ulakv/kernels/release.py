@@ -12,6 +12,8 @@ per-layer indexer) walked 61 x 128 blocks in a row; now each program walks 128.
 
 from __future__ import annotations
 
+import torch
+
 from . import buckets
 from . import common as K
 from ._triton import tl, triton
@@ -94,10 +96,10 @@ def release_kernel(
     tl.store(row + K.G_CPU_FREE, cpu_count)
 
 
-def release(addrs, state, checked: bool = False) -> int:
+def release(addrs, state, checked_by: torch.Tensor | None = None) -> int:
     """Free ``addrs`` in every group of ``state`` (a ``TieredState``; ``-1``: padding); returns
-    launches. ``checked``: only if the status word of the check just before is 0 (engine-owned
-    addresses, ``ulakv.kernels.engine_addresses``)."""
+    launches. ``checked_by``: the control words of the check just before (engine-owned addresses,
+    ``ulakv.kernels.engine_addresses``): free only if its last status is 0."""
     n = addrs.numel()
     if n == 0:
         return 0
@@ -121,18 +123,18 @@ def release(addrs, state, checked: bool = False) -> int:
         n_levels=state.levels.numel() - 1,
         stamp_ptr=state.stamp,
         R=state.num_buckets,
-        ctl_ptr=state.ctl,
+        ctl_ptr=state.ctl if checked_by is None else checked_by,
         POLICY=state.policy,
-        CHECKED=checked,
+        CHECKED=checked_by is not None,
         BLOCK=K.BLOCK,
         num_warps=RELEASE_WARPS,
     )
     return 1
 
 
-def release_reference(addrs, state, checked: bool = False) -> None:
+def release_reference(addrs, state, checked_by: torch.Tensor | None = None) -> None:
     """Plain-Python twin of :func:`release`: address by address, group by group, the same stacks."""
-    if checked and int(state.ctl[int(K.E_LAST_STATUS)]) != 0:
+    if checked_by is not None and int(checked_by[int(K.E_LAST_STATUS)]) != 0:
         return
     G = state.gpu_slots
     for g in range(state.num_groups):

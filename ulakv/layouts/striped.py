@@ -125,6 +125,7 @@ class StripedPool(PoolFrame):
                 mapping=self._book_words[:n].view(1, n),
                 claim=torch.zeros(n, dtype=torch.int64, device=self.device),
                 live=torch.zeros(1, dtype=torch.int64, device=self.device),
+                capacity=self._addresses,
                 ctl=self._ctl,
                 report=report_word(self.device),
                 num_addresses=n,
@@ -133,7 +134,7 @@ class StripedPool(PoolFrame):
             reports.append(self._books.report)
         # A refused call's inner plan reports it (census bits included), and so does a refused
         # engine admit or release: this pool reads those words.
-        self._deferred = DeferredStatus(reports, [self._ctl])
+        self._deferred = DeferredStatus(reports)
         self._seq_ids = itertools.count()
         self.bytes_received = 0  # bytes the fetches' all-gathers brought from other ranks, padding included
         self._bytes_needed = torch.zeros(1, dtype=torch.int64, device=self.device)  # ... that carried a miss
@@ -160,6 +161,7 @@ class StripedPool(PoolFrame):
         the flags back: a sync; for an engine that clears its whole cache, and for tests)."""
         if self._engine_n is None:
             raise InvalidInputError("live_addresses: this pool hands out its own addresses (sequences)")
+        self._join()
         return torch.nonzero(self._live).flatten()
 
     def _engine_call(self, what: str, addrs: torch.Tensor, admit: bool) -> None:
@@ -179,9 +181,10 @@ class StripedPool(PoolFrame):
         # would part for good. The next prepare or write raises it (books stay alike).
         if addrs.numel() == 0:
             return
+        self._join()
         flat = readable_indices(addrs)
         books = self._books
-        engine_mod.engine_addresses(flat, books, books.live, self._addresses, admit=admit)
+        engine_mod.engine_addresses(flat, books, books, admit=admit)
         if self._validate:
             status = int(books.ctl[int(K.E_LAST_STATUS)])
             if status:
@@ -288,6 +291,7 @@ class StripedPool(PoolFrame):
         self._pool_owned("release")
         self._check_seq(seq)
         self._check_usable()
+        self._join()
         local = self._local(seq.runs)
         release_runs(self.inner, local, addresses_on(local, self.device))
         if seq.runs:
@@ -553,9 +557,9 @@ class StripedPool(PoolFrame):
     def check(self) -> None:
         """Raise (and clear) a refusal that a non-validating ``prepare`` or ``write`` recorded."""
         self._need_kernels("check")
+        self._join()
         pending = int(self._ctl[int(K.E_PENDING)])  # a sync: every report has landed
         refusal = self._deferred.take()
-        self.inner.check()  # its plans' copies of the same refusals: cleared
         if self._buffer is not None:
             self._buffer.ctl[int(K.E_PENDING)] = 0
         if pending or refusal is not None:
@@ -568,6 +572,7 @@ class StripedPool(PoolFrame):
     def check_invariants(self) -> None:
         """The inner slice's invariants, and in fetch mode the buffer's (one slot per buffered
         entry, free stack and policy order consistent)."""
+        self._join()
         self.inner.check_invariants()
         if self._buffer is not None:
             check_invariants(self._buffer, self._allocator)
@@ -595,6 +600,7 @@ class StripedPool(PoolFrame):
         if not self._validate:
             refusal = self._deferred.take()
             if refusal is not None:
+                self._ctl[int(K.E_PENDING)] = 0  # raised now (this pool's calls share one stream)
                 raise self._status_error(refusal.describe(), refusal.status, None)
 
     def _status_error(self, what: str, status: int, census: Census | None) -> UlakvError:

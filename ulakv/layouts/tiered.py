@@ -24,7 +24,7 @@ from ..kernels import common as K
 from ..kernels import engine_addresses as engine_mod
 from ..kernels.operands import readable_indices
 from ..transfer import Phase, PlanInterrupted, TransferPlan, interrupt_of
-from .tiered_state import TieredRunner, TieredState
+from .tiered_state import TieredRunner, TieredState, report_word
 
 _pool_ids = itertools.count(1)
 
@@ -72,13 +72,15 @@ class TieredPool(PoolFrame):
         # Who hands out addresses: the pool (host runs), or the engine (device books, no read-back).
         self._engine: EngineAddresses | None = None
         if config.engine_addresses is not None:
-            self._engine = EngineAddresses(config.layout.capacity, self._state.mapping)
+            self._engine = EngineAddresses(
+                config.layout.capacity, self._state.mapping, report_word(self.device)
+            )
             self._allocator = self._engine
         else:
             self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
-        contexts = self._runner.contexts  # refusals of non-validating calls, reported by context
-        self._deferred = DeferredStatus([st.report for st in contexts], [st.ctl for st in contexts])
+        # Refusals of non-validating calls, reported by context, and by the engine's own check.
+        self._deferred = DeferredStatus(context_reports(self))
         # The plan planned last and not yet run to the end: the plan kernel has already taken its
         # slots from the free stacks and the policy, so the next call finishes it first.
         self._pending: TransferPlan | None = None
@@ -162,6 +164,7 @@ class TieredPool(PoolFrame):
         self._after_call()
 
     def _release_addresses(self, addresses: list[range], on_device: torch.Tensor) -> None:
+        self._join()
         self._finish_pending()
         if self.device.type != "meta":  # a capacity plan's pool holds no device state to free
             self._launches += self._runner.release(on_device)
@@ -197,6 +200,7 @@ class TieredPool(PoolFrame):
         """int64 ``[live]``: the live addresses, ascending (reads the mapping back: a sync; for an
         engine that clears its whole cache, and for tests)."""
         self._need_kernels("live_addresses")
+        self._join()
         self._finish_pending()
         return torch.nonzero(self._state.mapping[0] != -1).flatten()
 
@@ -212,15 +216,14 @@ class TieredPool(PoolFrame):
             raise InvalidInputError(f"{what}: addrs must be 1-D, got shape {tuple(addrs.shape)}")
         self._check_device(f"{what}: addrs", addrs)
         self._raise_refused()
+        self._join()
         self._finish_pending()
         if addrs.numel() == 0:
             return
         flat = readable_indices(addrs)
-        self._launches += engine_mod.engine_addresses(
-            flat, self._state, self._engine.live, self._engine.capacity, admit
-        )
+        self._launches += engine_mod.engine_addresses(flat, self._state, self._engine, admit)
         if not admit:
-            self._launches += self._runner.release(flat, checked=True)
+            self._launches += self._runner.release(flat, checked_by=self._engine.ctl)
         self._settle(what)
         self._after_call()
 
@@ -228,10 +231,10 @@ class TieredPool(PoolFrame):
         """After a call whose kernels wrote its status: raise it now (validating) or let a later call
         raise it (``ulakv.deferred``)."""
         if self._validate:
-            status = int(self._state.ctl[int(K.E_LAST_STATUS)])
+            status = int(self._engine.ctl[int(K.E_LAST_STATUS)])
             self._deferred.forget()  # raised here, not again from its report
             if status:
-                self._state.ctl[int(K.E_PENDING)] = 0
+                self._engine.ctl[int(K.E_PENDING)] = 0
                 raise self._status_error(what, status, None)
 
     def _take_exact(self, addresses: list[range]) -> None:
@@ -379,7 +382,7 @@ class TieredPool(PoolFrame):
         """The bytes of ``addrs`` in ``layer``, from whichever tier holds them (synchronises)."""
         self._check_layer(layer)
         self._need_kernels("read")
-        self.check()
+        self.check()  # (joins the adapter's streams)
         self._check_addresses("read", addrs)
         addrs = readable_indices(addrs.to(self.device))
         self._check_live("read", addrs)
@@ -391,6 +394,7 @@ class TieredPool(PoolFrame):
         self._check_group(group)
         self._check_addresses("residency", addrs)
         addrs = addrs.reshape(-1).to(self.device)
+        self._join()
         self._check_live("residency", addrs)
         home = self._state.mapping[group, addrs]
         return torch.where((home >= 0) & (home < self._state.gpu_slots), home, -1)
@@ -402,9 +406,10 @@ class TieredPool(PoolFrame):
         row = st.cpu_data.shape[0] * st.cpu_data.shape[2]  # every layer of one CPU row
         meta = sum(nbytes(t) for k, t in st.tensors().items() if k not in ("gpu_data", "cpu_data"))
         staging = self._storage.layout.cpu_staging * row
+        engine = nbytes(self._engine.live) + nbytes(self._engine.ctl) if self._engine else 0
         return MemoryReport(
             gpu_rows=nbytes(st.gpu_data),
-            gpu_meta=meta + self._runner.call_bytes(),
+            gpu_meta=meta + self._runner.call_bytes() + engine,
             cpu_rows=nbytes(st.cpu_data) - staging,
             cpu_staging=staging,
         )
@@ -452,19 +457,17 @@ class TieredPool(PoolFrame):
         }
 
     def check(self) -> None:
-        """Raise (and clear) an error that a non-validating ``prepare``/``write`` recorded."""
+        """Raise an error that a non-validating call recorded and no call has raised yet. Waits for
+        the device (every stream the pool's work was on): every report has landed."""
         self._need_kernels("check")
         if self._owned:  # the owner raised or will raise it, in its own words
-            self._runner.clear_pending()
             return
-        pending = self._runner.pending()  # a sync: every report has landed
+        self._join()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         refusal = self._deferred.take()
-        if pending or refusal is not None:
-            self._runner.clear_pending()
-            what, call = "an earlier call", None
-            if refusal is not None:
-                what, call, pending = refusal.describe(), refusal.call, pending | refusal.status
-            raise self._status_error(what, pending, None, call)
+        if refusal is not None:
+            raise self._status_error(refusal.describe(), refusal.status, None, refusal.call)
 
     def check_invariants(self) -> None:
         """Check the whole state at rest, after finishing a pending plan. This synchronises and is
@@ -475,6 +478,7 @@ class TieredPool(PoolFrame):
         cannot run them.
         """
         self._need_kernels("check_invariants")
+        self._join()
         self._finish_pending()
         check_invariants(self._state, self._allocator, self.config.group_layers)
         if self._engine is not None:
@@ -495,6 +499,7 @@ class TieredPool(PoolFrame):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of every tensor that says where entries live, what they hold and the counters."""
+        self._join()
         st = self._state
         out = {name: getattr(st, name).clone() for name in TieredState.RESIDENCY}
         out.update(
@@ -586,6 +591,7 @@ def context_ctl(pool: TieredPool, group: int) -> torch.Tensor:
 
 
 def context_reports(pool: TieredPool) -> list[torch.Tensor]:
-    """Every call context's report words, one a layer group (``ulakv.deferred``), which a composing
-    pool reads too."""
-    return [st.report for st in pool._runner.contexts]
+    """Every call context's report words, one a layer group, and the engine check's word of an
+    engine-owned pool (``ulakv.deferred``): what a composing pool reads too."""
+    engine = [pool._engine.report] if pool._engine is not None else []
+    return [st.report for st in pool._runner.contexts] + engine

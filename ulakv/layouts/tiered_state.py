@@ -529,15 +529,12 @@ class TieredRunner:
         return torch.stack([st.stats for st in self.contexts]).sum(0)
 
     def pending(self) -> int:
-        """The OR of every context's pending refusal bits (reads them back: a sync)."""
+        """The OR of every context's sticky refusal bits (reads them back: a sync; for state
+        comparisons only: ``ulakv.deferred`` raises from the reports)."""
         bits = 0
         for st in self.contexts:
             bits |= int(st.ctl[int(K.E_PENDING)])
         return bits
-
-    def clear_pending(self) -> None:
-        for st in self.contexts:
-            st.ctl[int(K.E_PENDING)] = 0
 
     def plan(
         self,
@@ -657,8 +654,9 @@ class TieredRunner:
         launches += self.execute(plan)
         return plan.slots, launches
 
-    def release(self, addrs: torch.Tensor, checked: bool = False) -> int:
-        return release_mod.release(addrs, self.state, checked)
+    def release(self, addrs: torch.Tensor, checked_by: torch.Tensor | None = None) -> int:
+        """Free ``addrs``' homes in every group (``checked_by``: only if that check passed)."""
+        return release_mod.release(addrs, self.state, checked_by)
 
     def read(self, layer: int, addrs: torch.Tensor) -> torch.Tensor:
         st = self.state
