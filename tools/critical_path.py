@@ -38,7 +38,7 @@ import numpy as np
 from ulakv.kernels._triton import INTERPRETED
 from ulakv.kernels.grid import FOOTPRINTS, H200_SMS
 
-__all__ = ["H200_SMS", "Launch", "count_memory_ops", "critical_path"]
+__all__ = ["H200_SMS", "Launch", "Prices", "count_memory_ops", "critical_path"]
 
 # The builder calls that issue a memory operation: loads, stores, atomics (read-modify-write, CAS).
 _MEMORY_OPS = (
@@ -57,6 +57,8 @@ class Launch:
 
     kernel: str
     per_program: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    # Of each program's operations, its atomics (read-modify-write, CAS): an L2 round trip each.
+    atomics: Counter[tuple[int, int, int]] = field(default_factory=Counter)
     # Active lanes of read-modify-write atomics, by address: same-address contention.
     atomic_lanes: Counter[int] = field(default_factory=Counter)
 
@@ -91,6 +93,31 @@ class Launch:
         return max(self.busiest, -(-self.total // slots))
 
 
+@dataclass(frozen=True)
+class Prices:
+    """Microseconds a dependent step costs on a GPU: a global-memory round trip (every load and
+    store is priced as one from DRAM, an upper bound: scratch the call just wrote sits in L2, and
+    independent operations of one program overlap), an atomic (resolved in L2) and a launch
+    boundary inside a CUDA graph (the next launch's programs start after the last of this one's)."""
+
+    round_trip_us: float = 0.6
+    atomic_us: float = 0.5
+    launch_us: float = 1.5
+
+    def program_us(self, launch: Launch, program: tuple[int, int, int]) -> float:
+        atomics = launch.atomics.get(program, 0)
+        return (launch.per_program[program] - atomics) * self.round_trip_us + atomics * self.atomic_us
+
+    def launch_us_on(self, launch: Launch, sms: int) -> float:
+        """The launch's price on ``sms`` SMs: its busiest program's, or its programs' shared by the
+        kernel's slots when that is longer (waves), plus a launch boundary."""
+        each = [self.program_us(launch, p) for p in launch.per_program]
+        return max(max(each, default=0.0), sum(each) / launch.slots(sms)) + self.launch_us
+
+    def call_us(self, launches: list[Launch], sms: int) -> float:
+        return sum(self.launch_us_on(launch, sms) for launch in launches)
+
+
 def critical_path(launches: list[Launch], slots: int | None = None, sms: int | None = None) -> int:
     """Sum over the launches of their lengths: the busiest program's operations, or the wave-aware
     length (:meth:`Launch.length`) with ``slots`` program slots for every launch, or with ``sms``
@@ -121,6 +148,8 @@ def count_memory_ops() -> Iterator[list[Launch]]:
             if launches and depth[0] == 0:
                 counts = launches[-1].per_program
                 counts[self.grid_idx] = counts.get(self.grid_idx, 0) + 1
+                if name in ("create_atomic_rmw", "create_atomic_cas"):
+                    launches[-1].atomics[self.grid_idx] += 1
                 if name == "create_atomic_rmw":  # (op, ptr, val, mask, sem, scope)
                     ptr, mask = args[1].data, args[3].data
                     launches[-1].atomic_lanes.update(ptr[np.broadcast_to(mask, ptr.shape)].tolist())

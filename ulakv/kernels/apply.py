@@ -448,36 +448,12 @@ def apply_kernel(
     element_programs = 0
     if (not WRITE) or (POLICY == K.EXACT_LRU):
         element_programs = (T + ELEMS - 1) // ELEMS
+    # Workers first in launch order: program w < workers is worker w; the others follow as the
+    # element and homed-row programs, in that order.
     workers = tl.num_programs(0) - element_programs - homed_programs
-    if pid >= workers + element_programs:
-        if WRITE & (status == 0) & run_in:  # a write's rows of entries homed before it, where they live
-            tile = (pid - workers - element_programs).to(tl.int64)
-            layer_bytes = group_row_bytes // L
-            while tile < (T + ROWS - 1) // ROWS:
-                _write_homed(
-                    tile * ROWS,
-                    T,
-                    G,
-                    flags_ptr,
-                    home_ptr,
-                    copy_row_ptr,
-                    rows_ptr,
-                    gpu_ptr,
-                    cpu_ptr,
-                    write_layer,
-                    gpu_layer_stride,
-                    cpu_layer_stride,
-                    n_vec,
-                    stats_ptr,
-                    layer_bytes,
-                    VECS,
-                    UNIT,
-                    UNIT_BYTES,
-                    ROWS,
-                )
-                tile += homed_programs
-    elif pid >= workers:
-        e0 = (pid - workers).to(tl.int64) * ELEMS
+    pid = tl.where(pid < workers, pid + element_programs + homed_programs, pid - workers)
+    if pid < element_programs:
+        e0 = pid.to(tl.int64) * ELEMS
         pos = e0 + tl.arange(0, ELEMS)
         inb = pos < T
         if status != 0:
@@ -512,8 +488,35 @@ def apply_kernel(
                 POLICY,
                 CHUNK,
             )
+    elif pid < element_programs + homed_programs:
+        if WRITE & (status == 0) & run_in:  # a write's rows of entries homed before it, where they live
+            tile = (pid - element_programs).to(tl.int64)
+            layer_bytes = group_row_bytes // L
+            while tile < (T + ROWS - 1) // ROWS:
+                _write_homed(
+                    tile * ROWS,
+                    T,
+                    G,
+                    flags_ptr,
+                    home_ptr,
+                    copy_row_ptr,
+                    rows_ptr,
+                    gpu_ptr,
+                    cpu_ptr,
+                    write_layer,
+                    gpu_layer_stride,
+                    cpu_layer_stride,
+                    n_vec,
+                    stats_ptr,
+                    layer_bytes,
+                    VECS,
+                    UNIT,
+                    UNIT_BYTES,
+                    ROWS,
+                )
+                tile += homed_programs
     elif status == 0:
-        worker = pid
+        worker = pid - element_programs - homed_programs
         M = control_word(ctl, K.E_MISSES)
         miss_tiles = (M + ROWS - 1) // ROWS
         rows = Rows(gpu_ptr, cpu_ptr, gpu_layer_stride, cpu_layer_stride, n_vec, L)
