@@ -219,16 +219,18 @@ def corrupting(choose) -> Kernels:
     The group's CPU copies are forgotten first (a state without copies is a valid one): a clean
     victim pops no row, so planting another slot in its place would unbalance the free list."""
 
-    def plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, n_new=0) -> int:
+    def plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, new_tokens=None) -> int:
         st.copy_row[g].fill_(-1)
         stamps = st.stamp[g].clone()
-        launches = REFERENCE.plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, n_new)
+        launches = REFERENCE.plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, new_tokens)
+        n_new = 0 if new_tokens is None else new_tokens.numel()
+        T = n_new + sel.numel()
         k_free, V = int(st.ctl[int(K.E_KFREE)]), int(st.ctl[int(K.E_VICTIMS)])
         assert k_free < V, "the scenario must evict"
-        j, new = choose(st, g, scratch, sel.numel(), k_free, V)
+        j, new = choose(st, g, scratch, T, k_free, V)
         old = plant_victim(scratch, st.ctl.tolist(), j, new)
         # the plan's moves follow its lists
-        decide_reference(st, g, scratch, sel.numel(), sel.numel() if write else n_new)
+        decide_reference(st, g, scratch, T, T if write else n_new)
         if st.policy == K.EXACT_LRU:
             keep_in_lru_order(st, g, old)
         else:
@@ -347,13 +349,13 @@ def test_planted_defect_in_a_write(debug, policy) -> None:
     check_invariants(pool.internals().state, pool.internals().allocator)
 
 
-def hits_not_touched(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, n_new=0) -> int:
+def hits_not_touched(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, new=None) -> int:
     """PB-LRU recency upkeep broken: the reference plan, then this call's hits back in the buckets
     they came from (their stamps and bits agree, so the state stays consistent)."""
     stamps = st.stamp[g].clone()
-    launches = REFERENCE.plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, n_new)
+    launches = REFERENCE.plan(st, g, sel, scratch, write, group_row_bytes, layer_row_bytes, new)
     bits, cur = PBLRUBits(st, g), int(st.gctl[g, int(K.G_ROUND)])
-    for s in plan_hits(scratch, sel.numel()):
+    for s in plan_hits(scratch, sel.numel() + (0 if new is None else new.numel())):
         bits.sets[cur % bits.R].discard(s)
         st.stamp[g, s] = stamps[s]
         bits.sets[bits.bucket_of(int(stamps[s]), cur + 1)].add(s)

@@ -58,7 +58,9 @@ class TransferPlan:
 
     group: int
     layers: range
-    addresses: torch.Tensor  # [T] the flattened selection (a prepare's new tokens first: ``n_new``)
+    # The flattened selection (a write's addresses); a prepare's new tokens come before it as the
+    # call's first ``n_new`` elements, in ``new_addresses``: the kernels read each in place.
+    addresses: torch.Tensor
     scratch: object  # the layout's CallScratch
     slots: torch.Tensor | None  # int32 [T - n_new]: the output of a prepare
     # the rows of a write, or of a prepare's new tokens, packed, as words when the width allows
@@ -71,8 +73,21 @@ class TransferPlan:
     # A prepare with new rows (``NewRows``): its first ``n_new`` addresses are the new tokens,
     # ``rows`` theirs, and ``write_layer`` the layer they fill.
     n_new: int = 0
+    new_addresses: torch.Tensor | None = None
     applied: int = 0
     layers_in: set[int] = field(default_factory=set)
+
+    @property
+    def elements(self) -> int:
+        """The call's elements: the new tokens, then the selection."""
+        return self.n_new + self.addresses.numel()
+
+    def element_addresses(self) -> torch.Tensor:
+        """int64 ``[elements]``: every element's address, the new tokens first (a new tensor: for
+        describing the plan and naming bad addresses, off the hot path)."""
+        if self.new_addresses is None:
+            return self.addresses.long()
+        return torch.cat([self.new_addresses.long(), self.addresses.long()])
 
     @property
     def finished(self) -> bool:
@@ -101,7 +116,7 @@ class TransferPlan:
         pos, slot, cpu_row, dest, _, flags, copy = moves
         return {
             "position": pos,
-            "address": self.addresses.cpu()[pos].to(torch.int64),
+            "address": self.element_addresses().cpu()[pos],
             "source": self.scratch.home.cpu()[pos].to(torch.int64),
             "gpu_slot": slot,
             "cpu_row": cpu_row,

@@ -140,12 +140,15 @@ class MissTile(NamedTuple):
 
 
 @triton.jit
-def _miss_tile(j, live, k_free, moves_ptr, cap, sel_ptr, home_ptr, NEW: tl.constexpr):
+def _miss_tile(
+    j, live, k_free, moves_ptr, cap, sel_ptr, new_ptr, n_new, home_ptr, NEW: tl.constexpr, SPLIT: tl.constexpr
+):
     """The call's misses ``j`` (``live``: those that exist) with the moves the plan decided for
     them (``k_free``: the misses into free slots): one load a word, all independent, then the
     address and source home by position. Only a call with new entries (``NEW``: a write, or a
     prepare with new rows) has copies to make (otherwise ``copy`` is -1, known to the compiler:
-    the plain prepare variants keep their registers)."""
+    the plain prepare variants keep their registers). ``SPLIT``: a prepare with new rows, whose
+    first ``n_new`` elements are read through ``new_ptr``."""
     moves = moves_ptr + j
     p = tl.load(moves + K.MV_POS * cap, mask=live, other=0)
     v = tl.load(moves + K.MV_SLOT * cap, mask=live, other=-1)
@@ -156,7 +159,10 @@ def _miss_tile(j, live, k_free, moves_ptr, cap, sel_ptr, home_ptr, NEW: tl.const
     copy = tl.full(j.shape, -1, tl.int32)
     if NEW:
         copy = tl.load(moves + K.MV_COPY * cap, mask=live, other=-1)
-    a = tl.load(sel_ptr + p, mask=live, other=0).to(tl.int64)
+    if SPLIT:
+        a = K.element_addresses(sel_ptr, new_ptr, n_new, p, live, 0)
+    else:
+        a = tl.load(sel_ptr + p, mask=live, other=0).to(tl.int64)
     src = tl.load(home_ptr + p, mask=live, other=0)
     has_slot = live & (v >= 0)
     popping = live & (j >= k_free)
@@ -335,6 +341,7 @@ def _commit_buckets(t, buckets_of, rnd, rnd_bucket):
     ],
     do_not_specialize_on_alignment=[
         "sel_ptr",
+        "new_ptr",
         "map_ptr",
         "owner_ptr",
         "ver_ptr",
@@ -353,6 +360,7 @@ def _commit_buckets(t, buckets_of, rnd, rnd_bucket):
 )
 def apply_kernel(
     sel_ptr,
+    new_ptr,
     T,
     n_new,
     G,
@@ -531,7 +539,9 @@ def apply_kernel(
         tile = worker.to(tl.int64)
         while tile < miss_tiles:
             j = tile * ROWS + tl.arange(0, ROWS)
-            t = _miss_tile(j, j < M, k_free, moves_ptr, cap, sel_ptr, home_ptr, NEW)
+            t = _miss_tile(
+                j, j < M, k_free, moves_ptr, cap, sel_ptr, new_ptr, n_new, home_ptr, NEW, NEW and not WRITE
+            )
             # Data, mapping, data, mapping (a buffer drops its victims: no out phase).
             if run_out and not CACHE:
                 _out(t, rows, owner_ptr, VECS, UNIT, UNIT_BYTES)
@@ -755,20 +765,23 @@ def apply(
     in_layers: range | None = None,
     fetched: torch.Tensor | None = None,
     fetch_rows: torch.Tensor | None = None,
-    n_new: int = 0,
+    new: torch.Tensor | None = None,
 ) -> int:
     """Launch apply for group ``g`` (layers ``layers``): the phases ``phases`` (first, last), moving
-    the group's layers ``in_layers`` (default all) in the ``in`` phase. A write has ``rows``
-    (packed ``[T, W]``); a prepare has ``slots`` (int32, packed) for its elements past its first
-    ``n_new``, new tokens whose rows are ``rows`` (``[n_new, W]``: ``NewRows``; otherwise no
-    ``rows``). A buffer (``st.CACHE``)
+    the group's layers ``in_layers`` (default all) in the ``in`` phase. ``flat`` is the call's
+    addresses: a write's, or a prepare's selection, after its ``new`` tokens (``NewRows``, flat
+    addresses, read through their own pointer). A write has ``rows`` (packed ``[T, W]``); a
+    prepare has ``slots`` (int32, packed) for its selection and the new tokens' ``rows``
+    (``[n_new, W]``; otherwise no ``rows``). A buffer (``st.CACHE``)
     takes its misses' rows from ``fetched`` (packed ``[rows, layers, W]``; miss ``j``'s is row
     ``fetch_rows[j]``, int64) and drops its victims. Rows are in the unit ``as_words`` gives the
     pool's own rows (words when the width is a multiple of 4, else bytes); ``ulakv.kernels.operands``
     brings a caller's tensors to it. Returns launches."""
     if st.CACHE and (fetched is None or fetch_rows is None) and rows is None:
         raise ValueError("a buffer's apply needs the fetched rows and where each miss's is")
-    T = flat.numel()
+    tokens = new  # (``new`` below: whether the call has new entries' rows)
+    n_new = 0 if tokens is None else tokens.numel()
+    T = n_new + flat.numel()
     # The whole pool's rows (the kernel adds the group's layer offset), moved in the widest vectors
     # they allow (16 B for 656-byte rows); a state's own, worked out once.
     gpu, cpu, unit = st.row_words
@@ -793,6 +806,7 @@ def apply(
     grid, homed_programs = apply_grid(st, T, write, tiling)
     apply_kernel[grid](
         sel_ptr=flat,
+        new_ptr=flat if tokens is None else tokens,
         T=T,
         n_new=T if write else n_new,
         owner_ptr=st.owner[g],
@@ -854,9 +868,12 @@ def apply_reference(
     in_layers: range | None = None,
     fetched: torch.Tensor | None = None,
     fetch_rows: torch.Tensor | None = None,
-    n_new: int = 0,
+    new: torch.Tensor | None = None,
 ) -> None:
-    """Plain-Python twin of :func:`apply`: one phase, one miss, one row, one element at a time."""
+    """Plain-Python twin of :func:`apply`: one phase, one miss, one row, one element at a time
+    (over one list of elements: the new tokens, then the selection)."""
+    n_new = 0 if new is None else new.numel()
+    flat = flat if new is None else torch.cat([new.long(), flat.long()])
     T, G, C, Qcap = flat.numel(), st.gpu_slots, K.CHUNK, st.q_slot.shape[1]
     write = rows is not None and n_new == 0
     new = T if write else n_new  # the leading elements whose rows the caller gives

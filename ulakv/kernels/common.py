@@ -126,6 +126,19 @@ def report_refusal(ctl_ptr, report_ptr, status, CALL: tl.constexpr):
         tl.store(report_ptr, (refusals << 32) | (CALL << 8) | status)
 
 
+@triton.jit
+def element_addresses(sel_ptr, new_ptr, n_new, pos, mask, other):
+    """Addresses (int64; ``other`` where ``mask`` is off) of a call's elements ``pos``: a prepare's
+    first ``n_new`` are its new tokens, read through ``new_ptr``, the rest its selection, through
+    ``sel_ptr`` at ``pos - n_new``. Two pointers, so that neither is first copied into one buffer
+    (two copies a one-plan call); a call without new tokens issues one load."""
+    a = tl.load(sel_ptr + (pos - n_new), mask=mask & (pos >= n_new), other=other).to(tl.int64)
+    if n_new > 0:
+        fresh = tl.load(new_ptr + pos, mask=mask & (pos < n_new), other=other).to(tl.int64)
+        a = tl.where(pos < n_new, fresh, a)
+    return a
+
+
 def report_refusal_reference(ctl, report, status: int, call: int) -> None:
     """Plain twin of :func:`report_refusal`."""
     if status:

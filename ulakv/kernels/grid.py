@@ -72,7 +72,7 @@ class Footprint:
 FOOTPRINTS: dict[str, Footprint] = {
     "apply_kernel": Footprint(80, 8, 4096),  # a one-plan write and read (exact LRU): 3 an SM
     "census_kernel": Footprint(92, 4, 8192),  # 5
-    "claim_kernel": Footprint(80, 4, 32),  # a prepare's: 6
+    "claim_kernel": Footprint(78, 4, 32),  # a write's: 6
     "classify_kernel": Footprint(128, 16, 8192),  # exact LRU's write: 1
     "compact_kernel": Footprint(80, 4, 256),  # 6
     "decide_kernel": Footprint(72, 4, 2048),  # exact LRU: 7

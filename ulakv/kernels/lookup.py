@@ -73,9 +73,13 @@ from .victims import (
 # binary); sel_ptr and map_ptr alignment (the caller's view; row g of mapping). claim_ptr and ctl_ptr
 # are whole-pool tensors, allocated once: their alignment never changes. WRITE, CHUNK: constexprs.
 # (Before: 10 claim variants in tests/test_compile_variants.py's serving loop, about 4 s each on a GPU.)
-@triton.jit(do_not_specialize=["T", "N", "G", "n_new"], do_not_specialize_on_alignment=["sel_ptr", "map_ptr"])
+@triton.jit(
+    do_not_specialize=["T", "N", "G", "n_new"],
+    do_not_specialize_on_alignment=["sel_ptr", "new_ptr", "map_ptr"],
+)
 def claim_kernel(
     sel_ptr,
+    new_ptr,
     T,
     N,
     G,
@@ -96,7 +100,7 @@ def claim_kernel(
         tl.store(block_counts_ptr + (pid // K.COUNT_BLOCK) * K.COUNT_WORDS + word, word * 0)
     pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     inb = pos < T
-    a = tl.load(sel_ptr + pos, mask=inb, other=-1).to(tl.int64)
+    a = K.element_addresses(sel_ptr, new_ptr, n_new, pos, inb, -1)
     in_range = (a >= 0) & (a < N)
     home = tl.load(map_ptr + a, mask=inb & in_range, other=K.M_FREE)
     ok = inb & in_range & (home != K.M_FREE)
@@ -158,6 +162,7 @@ def claim_kernel(
     ],
     do_not_specialize_on_alignment=[
         "sel_ptr",
+        "new_ptr",
         "report_ptr",
         "map_ptr",
         "gctl_ptr",
@@ -175,6 +180,7 @@ def claim_kernel(
 )
 def classify_kernel(
     sel_ptr,
+    new_ptr,
     T,
     N,
     G,
@@ -231,7 +237,7 @@ def classify_kernel(
     pid = tl.program_id(0)
     pos = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     inb = pos < T
-    a = tl.load(sel_ptr + pos, mask=inb, other=-1).to(tl.int64)
+    a = K.element_addresses(sel_ptr, new_ptr, n_new, pos, inb, -1)
     pad = inb & (a == -1)
     in_range = (a >= 0) & (a < N)
     home = tl.load(map_ptr + a, mask=inb & in_range, other=K.M_FREE)
@@ -511,19 +517,21 @@ def lookup_and_plan(
     write: bool,
     group_row_bytes: int,
     layer_row_bytes: int,
-    n_new: int = 0,
+    new: torch.Tensor | None = None,
 ) -> int:
     """Launch claim, then classify + plan, over the flat selection ``sel`` for group ``g`` of
-    ``st`` (a TieredState); a prepare's first ``n_new`` elements are new tokens (``NewRows``).
-    ``group_row_bytes`` and ``layer_row_bytes`` price the moves in the stats; under PB-LRU a
-    prepare then ends its round (``round_end``); last, ``decide`` writes each miss's moves.
-    Returns the number of launches (3, or 4 with a round end)."""
-    T = sel.numel()
+    ``st`` (a TieredState); a prepare's ``new`` tokens (``NewRows``: flat addresses) are its first
+    elements, each read through its own pointer. ``group_row_bytes`` and ``layer_row_bytes`` price
+    the moves in the stats; under PB-LRU a prepare then ends its round (``round_end``); last,
+    ``decide`` writes each miss's moves. Returns the number of launches (3, or 4 with a round end)."""
+    n_new = 0 if new is None else new.numel()
+    T = n_new + sel.numel()
     grid = (K.cdiv(T, K.CHUNK),)
     mapping, claim, mark, ctl, gpu_slots = st.mapping[g], st.claim, st.mark, st.ctl, st.gpu_slots
     N = mapping.numel()
     claim_kernel[grid](
         sel_ptr=sel,
+        new_ptr=sel if new is None else new,
         T=T,
         N=N,
         G=gpu_slots,
@@ -539,6 +547,7 @@ def lookup_and_plan(
     programs = classify_programs(st, T)
     classify_kernel[(programs,)](
         sel_ptr=sel,
+        new_ptr=sel if new is None else new,
         T=T,
         N=N,
         n_new=n_new,
@@ -571,10 +580,13 @@ def lookup_and_plan_reference(
     write: bool,
     group_row_bytes: int,
     layer_row_bytes: int,
-    n_new: int = 0,
+    new: torch.Tensor | None = None,
 ) -> None:
     """Plain-Python twin of :func:`lookup_and_plan`: the two launches, then the victims program
-    (and PB-LRU's round end after a prepare), then each miss's moves."""
+    (and PB-LRU's round end after a prepare), then each miss's moves (over one list of elements:
+    the new tokens, then the selection)."""
+    n_new = 0 if new is None else new.numel()
+    sel = sel if new is None else torch.cat([new.long(), sel.long()])
     claim_and_classify_reference(st, g, sel, scratch, write, n_new)
     victims_reference(st, g, scratch, sel.numel(), write, group_row_bytes, layer_row_bytes)
     if st.policy == K.PBLRU and not write:

@@ -542,7 +542,7 @@ class TieredPool(PoolFrame):
             state = "not live (admit_addresses: live already)"
         bad_address = f"addresses out of range [0, {self.address_space}) or {state}"
         if status & int(K.ST_BAD_ADDRESS) and plan is not None:  # the call's own: say which is which
-            flat = plan.addresses
+            flat = plan.element_addresses()
             bad = ((plan.scratch.flags[: flat.numel()].to(torch.int32) & int(K.F_BAD)) != 0).cpu()
             named = flat.cpu()[bad].tolist()
             outside = [a for a in named if not 0 <= a < self.address_space][:5]

@@ -316,7 +316,7 @@ def miss_positions(plan: TransferPlan) -> torch.Tensor:
     """Positions (in the plan's addresses) of a buffer's misses, in the order its apply expects
     their fetched rows: chunk by chunk. Reads the per-chunk counts back on the host (a buffer's
     caller sizes its fetch with them)."""
-    sc, T = plan.scratch, plan.addresses.numel()
+    sc, T = plan.scratch, plan.elements
     need = sc.counts[: K.cdiv(T, K.CHUNK), int(K.C_NEED)].tolist()
     return torch.cat([sc.miss_pos[c * K.CHUNK : c * K.CHUNK + n] for c, n in enumerate(need)]).long()
 
@@ -359,9 +359,6 @@ class CallScratch(_Tensors):
     ring: torch.Tensor  # int64 [ring pairs]: a compacting call's live LRU ring pairs, block by block
     ring_blocks: torch.Tensor  # int64 [lists + 1, 2]: each ring block's live pairs, and those before it
     moves: torch.Tensor  # int32 [MOVE_WORDS, cap]: what the plan decided for each miss (``kernels.decide``)
-    # int64 [cap]: a prepare's elements with new rows: the new tokens, then the selection (one
-    # buffer of the context's, so that a captured step's kernels read it in place)
-    indices: torch.Tensor
 
     @classmethod
     def allocate(
@@ -412,7 +409,6 @@ class CallScratch(_Tensors):
             ring=torch.empty(max(ring_pairs, 1), dtype=torch.int64, device=device),
             ring_blocks=torch.empty((lists + 1, 2), dtype=torch.int64, device=device),
             moves=torch.empty((K.MOVE_WORDS, capacity), **i32),
-            indices=torch.empty(capacity, dtype=torch.int64, device=device),
         )
 
     @property
@@ -556,27 +552,24 @@ class TieredRunner:
         st, cfg, kernels = self.context(group), self.config, self.kernels
         write = rows is not None
         n_new = 0 if new is None else new.addresses.numel()
+        # The new tokens and the selection are read in place, each through its own pointer (a copy
+        # only of a view the kernels cannot read, or of one overlapping ``out``, which apply reads
+        # after its evict phase has written the slots there).
+        flat = operands.readable_indices(selection)
+        new_flat = operands.readable_indices(new.addresses) if n_new else None
+        if out is not None:
+            flat = operands.detached(flat, out)
+            new_flat = operands.detached(new_flat, out) if n_new else None
         if n_new:
-            # One buffer of elements, the new tokens first (two copies, into the call scratch).
-            T = n_new + selection.numel()
-            scratch = self.scratch(T, group)
-            flat = scratch.indices[:T]
-            flat[:n_new].copy_(new.addresses)
-            flat[n_new:].view(selection.shape).copy_(selection)  # any strides, no temporary
             rows, layer = new.rows, new.layer
-        else:
-            flat = operands.readable_indices(selection)
-            if out is not None:  # apply reads the selection after its evict phase has written out
-                flat = operands.detached(flat, out)
-            T = flat.numel()
-            scratch = self.scratch(T, group)
+        T = n_new + flat.numel()
+        scratch = self.scratch(T, group)
         if rows is not None:  # rows that view the very rows (or slots) this call may write
             written = (st.gpu_data, st.cpu_data) if out is None else (st.gpu_data, st.cpu_data, out)
             rows = operands.detached(operands.readable_rows(rows), *written)
         layers = cfg.group_layers(group)
         width = cfg.entry.bytes_per_layer
-        launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width, n_new)
-        launches += 2 if n_new else 0
+        launches = kernels.plan(st, group, flat, scratch, write, len(layers) * width, width, new_flat)
         slots, fill_later = None, None
         if not write:
             if out is not None and operands.writable_in_place(out):
@@ -587,6 +580,7 @@ class TieredRunner:
             group=group,
             layers=layers,
             addresses=flat,
+            new_addresses=new_flat,
             scratch=scratch,
             slots=slots,
             rows=rows,
@@ -636,7 +630,7 @@ class TieredRunner:
             fetch_rows=fetch_rows
             if fetch_rows is not None or fetched is None
             else torch.arange(fetched.shape[0], device=fetched.device),
-            n_new=plan.n_new,
+            new=plan.new_addresses,
         )
         if start <= Phase.IN <= until:
             plan.layers_in.update(in_layers)
