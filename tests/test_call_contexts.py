@@ -21,7 +21,10 @@ from ulakv.kernels._triton import INTERPRETED
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="records the interpreter's launches")
 
 WIDTH = 8
-SHARED_BY_DESIGN = {"sel_ptr", "rows_ptr", "lvl_ptr", "gpu_ptr", "cpu_ptr"}
+# The callers' inputs (a selection, a prepare's new tokens, rows), read-only level offsets, the
+# whole-tier rows, and apply's home claims: a one-word stand-in never written unless ULAKV_DEBUG
+# (then a row a group).
+SHARED_BY_DESIGN = {"sel_ptr", "new_ptr", "rows_ptr", "lvl_ptr", "gpu_ptr", "cpu_ptr", "claims_ptr"}
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

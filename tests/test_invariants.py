@@ -17,7 +17,7 @@ import torch
 from helpers import policy_cases, random_rows
 
 import ulakv.layouts.tiered as tiered_mod
-from ulakv import PBLRU, EntrySpec, ExactLRU, Pool, PoolConfig, Tiered
+from ulakv import PBLRU, EntrySpec, ExactLRU, NewRows, Pool, PoolConfig, Tiered
 from ulakv.errors import InvariantError
 from ulakv.invariants import check_invariants
 from ulakv.kernels import common as K
@@ -576,3 +576,44 @@ def test_the_copy_check_compares_every_layer_of_the_group() -> None:
     check_invariants(st, pool.internals().allocator)  # bytes unchecked
     with pytest.raises(InvariantError, match="no longer holds its GPU slot's bytes"):
         check_invariants(st, pool.internals().allocator, pool.config.group_layers)
+
+
+def one_home_for_two(plan_stage):
+    """A planted wrong plan: the real plan, then its second miss given the first one's GPU slot."""
+
+    def plan(st, g, sel, scratch, *args) -> int:
+        launches = plan_stage(st, g, sel, scratch, *args)
+        slots = scratch.moves[int(K.MV_SLOT)]
+        assert int(st.ctl[int(K.E_MISSES)]) >= 2 and int(slots[0]) >= 0, "the scenario moves two misses"
+        slots[1] = slots[0]
+        return launches
+
+    return plan
+
+
+@pytest.mark.parametrize(
+    ("policy", "new_rows"), [(ExactLRU(), False), (PBLRU(3), True)], ids=["lru", "pblru-new"]
+)
+def test_a_plan_giving_one_home_to_two_misses_fails_on_the_device(debug, policy, new_rows) -> None:
+    """Under ULAKV_DEBUG apply claims every GPU slot and CPU row its moves write by an atomic
+    exchange; a second claim in one call is counted on the device and raised, before the host's
+    own checks look. The kernel and its reference count alike."""
+    for kernels in (TRITON, REFERENCE):
+        pool = build(policy, 6, 16, 1, 1, kernels)
+        gen = torch.Generator().manual_seed(8)
+        seq = pool.admit(12)
+        write_all(pool, seq.addresses, gen)  # 6 on the GPU, 6 on the CPU
+        pool.prepare(0, seq.addresses[:6].view(1, 6))
+        pool.internals().runner.kernels = Kernels(one_home_for_two(kernels.plan), kernels.apply)
+        new = None
+        if new_rows:
+            extra = pool.extend(seq, 1)
+            new = NewRows(0, extra, random_rows(gen, 1, WIDTH))
+        with pytest.raises(InvariantError, match="one home to two misses: 1 GPU slots or CPU rows"):
+            pool.prepare(0, seq.addresses[8:12].view(1, 4), new=new)
+    # Without the plant the same calls pass: nothing claims a home twice.
+    pool = build(policy, 6, 16, 1, 1, TRITON)
+    seq = pool.admit(12)
+    write_all(pool, seq.addresses, torch.Generator().manual_seed(8))
+    pool.prepare(0, seq.addresses[:6].view(1, 6))
+    pool.prepare(0, seq.addresses[8:12].view(1, 4))

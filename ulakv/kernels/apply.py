@@ -186,6 +186,25 @@ def _out(t, rows, owner_ptr, VECS: tl.constexpr, UNIT: tl.constexpr, UNIT_BYTES:
 
 
 @triton.jit
+def _claim_homes(t, claims_ptr, G, tag, ctl_ptr, NEW: tl.constexpr):
+    """ULAKV_DEBUG: claim each GPU slot and CPU row the tile's moves write (its slot, the row it
+    pops, its copy's row) by an atomic exchange of the call's tag (its epoch, unique a group); a
+    claim that finds the tag already there (two misses of the call given one home) is counted in
+    ``E_HOME_CLAIMS``, which the pool raises. Off the hot path: only its variants claim."""
+    old = tl.atomic_xchg(claims_ptr + t.v, tag, mask=t.has_slot, sem="relaxed")
+    twice = (t.has_slot & (old == tag)).to(tl.int64)
+    pops = t.live & (t.cpu_row >= 0)
+    old = tl.atomic_xchg(claims_ptr + G + t.cpu_row, tag, mask=pops, sem="relaxed")
+    twice += (pops & (old == tag)).to(tl.int64)
+    if NEW:  # (a new token may keep its copy in the very row its clean victim popped)
+        copies = t.live & (t.copy >= 0) & (t.copy != t.cpu_row)
+        old = tl.atomic_xchg(claims_ptr + G + t.copy, tag, mask=copies, sem="relaxed")
+        twice += (copies & (old == tag)).to(tl.int64)
+    n = tl.sum(twice, axis=0)
+    tl.atomic_add(ctl_ptr + K.E_HOME_CLAIMS, n, mask=n > 0, sem="relaxed")
+
+
+@triton.jit
 def _evict(t, homes, stats_ptr, group_row_bytes, CACHE: tl.constexpr):
     """Phase ``evict`` (mapping): victims now live in their CPU rows (a buffer's: back on their
     home rank), their slots are unowned, bytes out and clean evictions counted."""
@@ -413,6 +432,7 @@ def apply_kernel(
     ring_ptr,
     ring_blocks_ptr,
     homed_programs,
+    claims_ptr,
     WRITE: tl.constexpr,
     NEW: tl.constexpr,
     POLICY: tl.constexpr,
@@ -423,6 +443,7 @@ def apply_kernel(
     UNIT: tl.constexpr,
     UNIT_BYTES: tl.constexpr,
     CACHE: tl.constexpr,
+    DEBUG: tl.constexpr,
 ):
     # Three kinds of program. The first ``workers`` are a persistent grid, no more than the SMs
     # hold at once: each strides over the work the plan counted (read here, on the device), ROWS
@@ -547,6 +568,8 @@ def apply_kernel(
                 _out(t, rows, owner_ptr, VECS, UNIT, UNIT_BYTES)
             tl.debug_barrier()  # the victims' rows out before their mapping moves
             if run_evict:
+                if DEBUG:
+                    _claim_homes(t, claims_ptr, G, control_word(ctl, K.E_EPOCH), ctl_ptr, NEW)
                 _evict(t, homes, stats_ptr, group_row_bytes, CACHE)
             tl.debug_barrier()  # the slots unowned before the misses' rows come in
             if run_in:
@@ -840,6 +863,7 @@ def apply(
         cap=scratch.capacity,
         ring_ptr=scratch.ring,
         ring_blocks_ptr=scratch.ring_blocks,
+        claims_ptr=st.home_claims[g if st.claims_homes else 0],
         WRITE=write,
         NEW=new,
         POLICY=st.policy,
@@ -850,6 +874,7 @@ def apply(
         UNIT=unit,
         UNIT_BYTES=unit * gpu.element_size(),
         CACHE=st.CACHE,
+        DEBUG=st.claims_homes,
         num_warps=APPLY_WARPS,
     )
     return 1
@@ -932,6 +957,16 @@ def apply_reference(
                 if v is not None and j >= k_free and int(st.owner[g, v]) >= 0 and not clean:
                     cpu[:, row] = gpu[:, v]
         if runs(K.PH_EVICT):
+            if st.claims_homes:  # ULAKV_DEBUG: the homes the moves write, each claimed once
+                tag = int(st.ctl[int(K.E_EPOCH)])
+                for _, _, _, _, v, row, _, _, _, _, copy in misses(c):
+                    homes = [v] if v is not None else []
+                    homes += [G + row] if row is not None else []
+                    homes += [G + copy] if new and copy is not None and copy != row else []
+                    for h in homes:
+                        if int(st.home_claims[g, h]) == tag:
+                            st.ctl[int(K.E_HOME_CLAIMS)] += 1
+                        st.home_claims[g, h] = tag
             for j, _, _, _, v, row, dest, _, clean, refill, _ in misses(c):
                 evicting = v is not None and j >= k_free
                 old = int(st.owner[g, v]) if evicting else -1

@@ -50,7 +50,10 @@ E_NEW_MISSES = tl.constexpr(24)
 # ... and the victims counted clean among its new tokens' (they pop a row even when the call fills:
 # it holds the new token's copy), so that the selection's misses past them may fill.
 E_NEW_CLEAN = tl.constexpr(25)
-CTL_WORDS = 26
+# ULAKV_DEBUG: GPU slots and CPU rows that apply found claimed already by another miss of the same
+# call (a plan that gives one home to two misses); the pool raises if it is not 0.
+E_HOME_CLAIMS = tl.constexpr(26)
+CTL_WORDS = 27
 CTL_BLOCK = tl.constexpr(32)  # a power of two >= CTL_WORDS: apply loads the words it needs at once
 
 # gctl: one row per layer group.

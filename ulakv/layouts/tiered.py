@@ -64,7 +64,7 @@ class TieredPool(PoolFrame):
             )
             _gpu_data = self._paged[:, : G + 1]
         self._state = TieredState.allocate(
-            self._storage, gpu_data=_gpu_data, addresses=config.engine_addresses
+            self._storage, gpu_data=_gpu_data, addresses=config.engine_addresses, claim_homes=self._debug
         )
         # Two call contexts: consecutive groups' calls share no call words or scratch (they may run
         # at once on the adapter's streams). One for a one-group pool: it has no neighbour.
@@ -493,6 +493,15 @@ class TieredPool(PoolFrame):
         """Under ``ULAKV_DEBUG=1``, check the whole state first (``PoolFrame._after_call``). Then, if
         a plan has just finished, check its decisions against the snapshot taken before it ran."""
         audit, self._audit = self._audit, None
+        if self._debug and self.device.type != "meta":  # first: what the device itself caught
+            for st in self._runner.contexts:
+                twice = int(st.ctl[int(K.E_HOME_CLAIMS)])
+                if twice:
+                    st.ctl[int(K.E_HOME_CLAIMS)] = 0
+                    raise InvariantError(
+                        f"a plan gave one home to two misses: {twice} GPU slots or CPU rows claimed "
+                        "twice in one call (apply's claims, ULAKV_DEBUG)"
+                    )
         super()._after_call()
         if audit is not None and audit[0].finished:
             check_plan(self._state, *audit)

@@ -93,9 +93,12 @@ class TieredState(_Tensors):
     mark: torch.Tensor  # int64 [G]: protection scratch, tagged by epoch
     gpu_data: torch.Tensor  # uint8 [layers, G + 1, bytes]; row G is the dummy slot
     cpu_data: torch.Tensor  # uint8 [layers, C + 1, bytes]; pinned host memory beside a GPU
-    # int64 [groups]: each group's latest refused prepare or write (word 0 also an engine admit or
-    # release), in host memory the device writes (deferred.py)
+    # int64 [groups]: each group's latest refused prepare or write, in host memory the device
+    # writes (deferred.py)
     report: torch.Tensor
+    # ULAKV_DEBUG: int64 [groups, G + C + 1], the tag of the call that last claimed each GPU slot
+    # (then each CPU row) its moves write (``apply._claim_homes``); otherwise a [1, 1] stand-in.
+    home_claims: torch.Tensor
 
     # A buffer of entries homed on other ranks (``ulakv.layouts.striped``) drops its victims and
     # fetches its misses; a tiered pool's own state swaps them with its CPU tier.
@@ -121,11 +124,16 @@ class TieredState(_Tensors):
 
     @classmethod
     def allocate(
-        cls, config: PoolConfig, gpu_data: torch.Tensor | None = None, addresses: int | None = None
+        cls,
+        config: PoolConfig,
+        gpu_data: torch.Tensor | None = None,
+        addresses: int | None = None,
+        claim_homes: bool = False,
     ) -> TieredState:
         """A fresh state for ``config`` (a ``Tiered`` layout). ``gpu_data`` (uint8 ``[layers, G + 1,
         bytes]``, possibly a view into a larger buffer) replaces the GPU rows it would allocate;
-        ``addresses`` widens the address space beyond the layout's capacity (a buffer's)."""
+        ``addresses`` widens the address space beyond the layout's capacity (a buffer's);
+        ``claim_homes`` (ULAKV_DEBUG) makes apply claim every home its moves write."""
         layout, device = config.layout, config.torch_device
         # CPU rows: the admitted tier plus staging rows, all on one free stack.
         G, C, groups = layout.gpu_slots, layout.cpu_slots + layout.cpu_staging, config.num_groups
@@ -169,6 +177,7 @@ class TieredState(_Tensors):
             if device.type != "meta"
             else torch.empty((L, C + 1, B), dtype=torch.uint8, device=device),
             report=report_word(device, groups),
+            home_claims=torch.zeros((groups, G + C + 1) if claim_homes else (1, 1), **i64),
         )
         state.ctl[int(K.E_EPOCH)] = 1
         state.ctl[int(K.E_MAX_SELECTION)] = layout.max_selection
@@ -214,6 +223,11 @@ class TieredState(_Tensors):
             mark=torch.zeros_like(self.mark),
             report=report_word(self.ctl.device, self.report.numel()),
         )
+
+    @property
+    def claims_homes(self) -> bool:
+        """Whether apply claims the homes its moves write (``ULAKV_DEBUG``)."""
+        return self.home_claims.shape[1] > 1
 
     @property
     def gpu_slots(self) -> int:
