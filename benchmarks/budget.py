@@ -25,7 +25,7 @@ One-layer groups (SGLang runs DSA models with an indexer a layer): 61 calls of e
 for DeepSeek-V3.2, 78 for GLM-5.3 (which shares one top-k across 4 layers: 20 selections a step
 once layer groups follow the model, the second GLM-5.3 row). The "one plan" columns price each
 layer's write and prepare as one call (``prepare(..., new=NewRows(...))``): its critical path and
-its launches, the two copies of its elements included; the bytes are the two calls'.
+its launches (its new tokens and selection read in place: no copy); the bytes are the two calls'.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def pool_layer_us(counts: dict, row_bytes: int, one_plan: bool = False) -> dict:
     ops = counts["critical_path"] + counts["write_critical_path"]
     launches = LAUNCHES_PER_LAYER
     if one_plan:
-        ops, launches = counts["one_plan_critical_path"], counts["one_plan_launches"] + 2  # + 2 copies
+        ops, launches = counts["one_plan_critical_path"], counts["one_plan_launches"]
     moved = (counts["misses"] + counts["evicted"]) * row_bytes / PCIE_BPS * 1e6
     return {
         "ops": ops,

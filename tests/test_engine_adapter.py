@@ -5,12 +5,17 @@ Launches are counted at Triton's launch entry (``count_launches``), not by the p
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
 from helpers import assert_same_state, policy_cases, random_rows
 from nosync import no_host_sync, skip_under_debug
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulakv import (
     PBLRU,
@@ -29,6 +34,30 @@ from ulakv.kernels._triton import count_launches
 
 WIDTH, LAYERS, PER_GROUP = 8, 5, 3  # groups of 3 and 2 layers
 POLICIES = policy_cases(4)
+
+
+@contextlib.contextmanager
+def torch_ops() -> Iterator[list[str]]:
+    """The names of the torch operators ulakv's code runs inside the block (not those the Triton
+    interpreter runs to hand a launch its arguments: a GPU launch runs no torch operator)."""
+    ran: list[str] = []
+
+    def in_triton() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if f"{os.sep}triton{os.sep}" in frame.f_code.co_filename:
+                return True
+            frame = frame.f_back
+        return False
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not in_triton():
+                ran.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        yield ran
 
 
 def engine(
@@ -158,9 +187,10 @@ def test_steps_through_the_adapter_never_sync(policy) -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_one_layer_groups_step_is_one_plan(policy) -> None:
     """SGLang's shape, one layer a group: each group-step hands its new tokens' rows to ``prepare``
-    (``new=``), one plan instead of a write's and a prepare's: two copies into the call scratch,
-    claim, classify + plan, (round end,) decide, apply; no host sync, the reserved scratch kept.
-    Every selected row reads as written, the new tokens' included."""
+    (``new=``), one plan instead of a write's and a prepare's: claim, classify + plan, (round end,)
+    decide, apply, the new tokens and the selection read in place (no copy: before, both were
+    copied into the call scratch first); no host sync, the reserved scratch kept. Every selected
+    row reads as written, the new tokens' included."""
     pool = Pool(
         PoolConfig(
             entry=EntrySpec(bytes_per_layer=WIDTH),
@@ -198,8 +228,9 @@ def test_a_one_layer_groups_step_is_one_plan(policy) -> None:
     with no_host_sync():
         for news, sels in steps:
             for group, (new, sel) in enumerate(zip(news, sels, strict=True)):
-                with count_launches() as names:
+                with count_launches() as names, torch_ops() as ops:
                     step = kv.prepare(group, sel, new=new)
+                assert not [op for op in ops if "copy" in op], ops
                 assert names == [
                     "claim_kernel",
                     "classify_kernel",
