@@ -189,7 +189,10 @@ def test_pool_wide_calls_join_the_adapters_streams_first() -> None:
         )
     )
     kv = SparseKV(pool, max_batch=2, top_k=4)
-    assert kv.internals().after_streams in pool.internals().joins
+    assert [held() for held in pool.internals().joins] == [kv.internals().after_streams]
+    del kv  # a dropped adapter's join goes with it (held weakly)
+    assert [held() for held in pool.internals().joins] == [None]
+    kv = SparseKV(pool, max_batch=2, top_k=4)
     joins = []
     pool.order_after(lambda: joins.append(1))
     locs = torch.tensor([9, 3, 17, 40])

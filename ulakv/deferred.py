@@ -74,8 +74,10 @@ class DeferredStatus:
     (``TieredRunner``), each context with its own count; ``reports`` holds each context's words
     (a context's words are those of one count: its call context's ``E_REFUSALS``)."""
 
-    def __init__(self, reports: Sequence[torch.Tensor]) -> None:
-        self._cuda = reports[0].device.type == "cuda"
+    def __init__(self, reports: Sequence[torch.Tensor], device: torch.device | None = None) -> None:
+        # The pool's device, not the words' (host memory beside a GPU): nothing is looked at while
+        # a CUDA graph is being captured on it.
+        self._cuda = device is not None and device.type == "cuda"
         # Read as plain memory: no tensor op, no copy, no sync (a meta pool reports nothing).
         self._words = [r.numpy() for r in reports if r.device.type != "meta"]
         self._looked = [w.tolist() for w in self._words]  # each context's words as last looked at

@@ -10,7 +10,9 @@ each runs ``_after_call`` after every call that changes it.
 from __future__ import annotations
 
 import abc
+import inspect
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -161,12 +163,17 @@ class PoolFrame(abc.ABC):
         ``residency``, ``check``, ``stats``, ``check_invariants``, ``state_dict``). ``SparseKV``
         registers the join of its call contexts' streams: an engine's admit or release then never
         runs beside a prepare still planning or moving rows on a side stream (both write the
-        mapping, and the engine's check stamps context 0's claim words). Stream waits, no sync."""
-        self._joins = (*self._joins, join)
+        mapping, and the engine's check stamps context 0's claim words). Stream waits, no sync. A
+        bound method is held weakly: an adapter dropped and rebuilt over the same pool leaves no
+        join behind."""
+        held = weakref.WeakMethod(join) if inspect.ismethod(join) else (lambda: join)
+        self._joins = (*(j for j in self._joins if j() is not None), held)
 
     def _join(self) -> None:
-        for join in self._joins:
-            join()
+        for held in self._joins:
+            join = held()
+            if join is not None:
+                join()
 
     @abc.abstractmethod
     def memory(self) -> MemoryReport:

@@ -188,7 +188,9 @@ def _out(t, rows, owner_ptr, VECS: tl.constexpr, UNIT: tl.constexpr, UNIT_BYTES:
 @triton.jit
 def _claim_homes(t, claims_ptr, G, tag, ctl_ptr, NEW: tl.constexpr):
     """ULAKV_DEBUG: claim each GPU slot and CPU row the tile's moves write (its slot, the row it
-    pops, its copy's row) by an atomic exchange of the call's tag (its epoch, unique a group); a
+    pops, its copy's row) by an atomic exchange of the call's tag (the epoch its plan advanced to:
+    a group's calls run in one context, whose epoch only grows until it wraps, when the pool clears
+    the group's claims first); a
     claim that finds the tag already there (two misses of the call given one home) is counted in
     ``E_HOME_CLAIMS``, which the pool raises. Off the hot path: only its variants claim."""
     old = tl.atomic_xchg(claims_ptr + t.v, tag, mask=t.has_slot, sem="relaxed")

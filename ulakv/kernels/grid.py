@@ -12,8 +12,11 @@ A persistent grid (apply's workers, classify's pool-wide lists) launches no more
 SMs hold at once: each strides over the work the plan counted, reading the count on the device (no
 host read-back). A grid sized by the call instead (a program a tile of its elements) puts most of
 its programs on work that may not exist: at batch 256 x 3 x 2048 a prepare's misses fill a few
-thousand 8-row tiles of the 196,608 the call could need. Sized by what is resident, no program of
-such a grid waits for another wave, so a grid-wide wait added to it could not deadlock.
+thousand 8-row tiles of the 196,608 the call could need. The persistent part is sized by what
+one launch of the kernel keeps resident, but a launch may hold more programs beside it (classify's
+chunk programs, apply's element programs) and another context's launch may share the SMs, so no
+program of these grids may wait for another: a grid-wide wait would need a grid of its own sized
+by what is left resident.
 
 ``tools/critical_path.py`` counts a launch's waves with the same figures.
 """
@@ -64,7 +67,8 @@ class Footprint:
 
     @property
     def programs_per_sm(self) -> int:
-        return resident_programs(self.registers, self.warps, self.shared_bytes)
+        # (at least one: a kernel that fits no SM fails at launch, never with an empty grid)
+        return max(1, resident_programs(self.registers, self.warps, self.shared_bytes))
 
 
 # Each kernel's variant that an SM holds the fewest of, on sm_90 (``compile_check``; the comment

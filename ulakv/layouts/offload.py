@@ -142,6 +142,7 @@ class OffloadPool(PoolFrame):
         """Free the request's CPU rows (zeroed: a later request reads zeros until it writes) and
         empty its GPU buffer."""
         self._check_seq(seq)
+        self._join()
         r = self._buffer_of.pop(seq.seq_id)
         addrs = seq.addresses
         if len(seq) and self.device.type != "meta":
@@ -288,6 +289,7 @@ class OffloadPool(PoolFrame):
         """The bytes of ``addrs`` in ``layer``: the CPU history always holds the latest."""
         self._check_layer(layer)
         self._need_kernels("read")
+        self._join()
         self._check_addresses("read", addrs)
         flat = addrs.reshape(-1).to(torch.int64).to(self.device)
         self._check_live("read", flat)
@@ -305,6 +307,7 @@ class OffloadPool(PoolFrame):
         An entry counts once it holds data in its group (written or selected, as ``Pool`` counts);
         its CPU row is its one copy that counts as a home, buffered GPU rows are further copies."""
         self._need_kernels("stats")
+        self._join()
         totals = torch.stack([b.state.stats for b in self._buffers]).sum(0).tolist()
         counters = dict(zip(K.STAT_NAMES, totals, strict=False))
         groups = self.num_groups
@@ -331,6 +334,7 @@ class OffloadPool(PoolFrame):
     def check_invariants(self) -> None:
         """Each buffer's invariants over its own request's addresses (an idle buffer: none)."""
         self._need_kernels("check_invariants")
+        self._join()
         for r, layout in enumerate(self._buffers):
             seq = self._seqs.get(r)
             check_invariants(layout.state, _OnlyLive(self.capacity, seq.runs if seq else []))

@@ -134,7 +134,7 @@ class StripedPool(PoolFrame):
             reports.append(self._books.report)
         # A refused call's inner plan reports it (census bits included), and so does a refused
         # engine admit or release: this pool reads those words.
-        self._deferred = DeferredStatus(reports)
+        self._deferred = DeferredStatus(reports, self.device)
         self._seq_ids = itertools.count()
         self.bytes_received = 0  # bytes the fetches' all-gathers brought from other ranks, padding included
         self._bytes_needed = torch.zeros(1, dtype=torch.int64, device=self.device)  # ... that carried a miss

@@ -80,7 +80,7 @@ class TieredPool(PoolFrame):
             self._allocator = LogicalAllocator(config.layout.capacity)
         self._launches = 0
         # Refusals of non-validating calls, reported by context, and by the engine's own check.
-        self._deferred = DeferredStatus(context_reports(self))
+        self._deferred = DeferredStatus(context_reports(self), self.device)
         # The plan planned last and not yet run to the end: the plan kernel has already taken its
         # slots from the free stacks and the policy, so the next call finishes it first.
         self._pending: TransferPlan | None = None
@@ -325,6 +325,10 @@ class TieredPool(PoolFrame):
                 write=kwargs.get("rows") is not None,
                 new=None if new is None else new.addresses,
             )
+            # Apply's home claims are tagged with the epoch the plan advances to; when it wraps
+            # (once in 2**31 calls of a context), tags of the last cycle would recur: clear them.
+            if int(self._runner.context(group).ctl[int(K.E_EPOCH)]) + 1 >= K.EPOCH_LIMIT:
+                self._state.home_claims[group].zero_()
         plan, launches = self._runner.plan(group, selection, **kwargs)
         self._launches += launches
         self._raise_if_failed(what, plan)
@@ -434,6 +438,7 @@ class TieredPool(PoolFrame):
         ``victim_search_reads`` / ``round_upkeep_reads`` (policy words the kernels read), and
         ``launches`` (kernel launches)."""
         self._need_kernels("stats")
+        self._join()
         self._finish_pending()
         self.check()
         st = self._state
@@ -515,7 +520,9 @@ class TieredPool(PoolFrame):
             gpu_data=st.gpu_data.clone(),
             cpu_data=st.cpu_data.clone(),
             stats=self._runner.counters(),
-            pending=torch.tensor(self._runner.pending()),
+            pending=torch.tensor(
+                self._runner.pending() | (int(self._engine.ctl[int(K.E_PENDING)]) if self._engine else 0)
+            ),
         )
         if self._engine is not None:
             out["engine_live"] = self._engine.live.clone()
