@@ -91,9 +91,31 @@ FOOTPRINTS: dict[str, Footprint] = {
 }
 
 
+# Programs an SM holds of each kernel as this process's Triton compiled it for the GPU it runs on
+# (``learn``): another Triton allocates other registers (the only H200 run, Triton 3.6, gave apply
+# 166-222 registers a thread where this table's 3.9 gives 64-80), so a GPU's grids follow its own.
+_LEARNT: dict[str, int] = {}
+_SEEN: set[int] = set()
+
+
+def learn(kernel: str, compiled: object) -> None:
+    """After a launch on a GPU: ``compiled`` (what ``kernel[grid](...)`` returns) tells the variant's
+    registers, warps and shared memory, and the kernel's persistent grids follow the fewest
+    programs an SM any variant launched so far holds. The first launch of a variant sizes its grid
+    from ``FOOTPRINTS`` (a captured step is captured after a warm-up). Nothing for the interpreter,
+    whose launches compile nothing."""
+    n_regs, metadata = getattr(compiled, "n_regs", None), getattr(compiled, "metadata", None)
+    if not n_regs or metadata is None or id(compiled) in _SEEN:
+        return
+    _SEEN.add(id(compiled))
+    held = max(1, resident_programs(n_regs, metadata.num_warps, metadata.shared))
+    _LEARNT[kernel] = min(_LEARNT.get(kernel, held), held)
+
+
 def programs_per_sm(kernel: str) -> int:
-    """Programs of ``kernel`` (a name in ``FOOTPRINTS``) one SM holds at once."""
-    return FOOTPRINTS[kernel].programs_per_sm
+    """Programs of ``kernel`` (a name in ``FOOTPRINTS``) one SM holds at once: as this process
+    compiled it for its GPU once launched there (``learn``), else its sm_90 footprint."""
+    return _LEARNT.get(kernel) or FOOTPRINTS[kernel].programs_per_sm
 
 
 @functools.cache

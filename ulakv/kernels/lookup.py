@@ -41,7 +41,7 @@ from . import common as K
 from . import segments as S
 from ._triton import tl, triton
 from .buckets import PBLRUBits
-from .grid import program_slots
+from .grid import learn, program_slots
 from .segments import (
     arrive,
     seal_reference,
@@ -545,7 +545,7 @@ def lookup_and_plan(
         CHUNK=K.CHUNK,
     )
     programs = classify_programs(st, T)
-    classify_kernel[(programs,)](
+    compiled = classify_kernel[(programs,)](
         sel_ptr=sel,
         new_ptr=sel if new is None else new,
         T=T,
@@ -566,6 +566,8 @@ def lookup_and_plan(
         CACHE=st.CACHE,
         num_warps=CLASSIFY_WARPS[st.policy],
     )
+    if ctl.device.type == "cuda":
+        learn("classify_kernel", compiled)  # its pool-wide lists follow this Triton's registers
     launches = 2
     if st.policy == K.PBLRU and not write:  # a prepare ended its round: the bucket to reuse goes cold
         launches += round_end.end_round(st, g)
