@@ -122,20 +122,25 @@ def test_counters_and_refusals_span_the_contexts() -> None:
 ENGINE_SHARED_BY_DESIGN = {"map_ptr", "claim_ptr"}  # the mapping; stamps, after a join (below)
 
 
-def test_engine_calls_share_no_word_with_a_call_context() -> None:
-    """An engine's admit and release check on words of their own: status, refusal count and report
-    are never a call context's (a prepare planning on a side stream read-modify-writes those). What
-    they share is the mapping they change and context 0's claim words, for the check's stamps;
-    both are safe because the pool joins the adapter's streams first (the next test)."""
-    pool = Pool(
+def _engine_pool(layers: int) -> Pool:
+    """A pool whose addresses the engine owns, one-layer groups."""
+    return Pool(
         PoolConfig(
             entry=EntrySpec(bytes_per_layer=WIDTH),
-            num_layers=3,
+            num_layers=layers,
             layout=Tiered(gpu_slots=8, cpu_slots=30),
             engine_addresses=64,
             validate=False,
         )
     )
+
+
+def test_engine_calls_share_no_word_with_a_call_context() -> None:
+    """An engine's admit and release check on words of their own: status, refusal count and report
+    are never a call context's (a prepare planning on a side stream read-modify-writes those). What
+    they share is the mapping they change and context 0's claim words, for the check's stamps;
+    both are safe because the pool joins the adapter's streams first (the next test)."""
+    pool = _engine_pool(3)
     gen = torch.Generator().manual_seed(5)
     locs = torch.tensor([9, 3, 17, 40])
     engine = launched(lambda: pool.admit_addresses(locs))
@@ -179,15 +184,7 @@ def test_pool_wide_calls_join_the_adapters_streams_first() -> None:
     the group's stream, beside the other context's)."""
     from ulakv.engine import SparseKV
 
-    pool = Pool(
-        PoolConfig(
-            entry=EntrySpec(bytes_per_layer=WIDTH),
-            num_layers=2,
-            layout=Tiered(gpu_slots=8, cpu_slots=30),
-            engine_addresses=64,
-            validate=False,
-        )
-    )
+    pool = _engine_pool(2)
     kv = SparseKV(pool, max_batch=2, top_k=4)
     assert [held() for held in pool.internals().joins] == [kv.internals().after_streams]
     del kv  # a dropped adapter's join goes with it (held weakly)
