@@ -58,9 +58,17 @@ def test_every_kernel_compiles_for_sm90(variants: tuple[str, list[dict]]) -> Non
     assert f"compiled for sm_90: {', '.join(KERNELS)}" in stdout
 
 
+def serving(found: list[dict]) -> list[dict]:
+    """The variants a pool serves with: not ULAKV_DEBUG's (apply's claims of every home)."""
+    return [v for v in found if "DEBUG=1" not in v["flags"]]
+
+
 def test_no_variant_spills(variants: tuple[str, list[dict]]) -> None:
+    """No serving variant spills (ULAKV_DEBUG's write variant of apply may: its claims are off the
+    hot path)."""
     _, found = variants
-    spilled = {(v["kernel"], v["registers"], v["stack_bytes"]) for v in found if v["stack_bytes"]}
+    assert any("DEBUG=1" in v["flags"] for v in found), "the debug variants are compiled too"
+    spilled = {(v["kernel"], v["registers"], v["stack_bytes"]) for v in serving(found) if v["stack_bytes"]}
     assert not spilled, f"variants with a stack frame (spilled registers): {sorted(spilled)}"
 
 
@@ -109,7 +117,7 @@ def test_grid_footprints_are_the_cubins(variants: tuple[str, list[dict]]) -> Non
 
     _, found = variants
     fewest: dict[str, tuple[int, dict]] = {}
-    for v in found:
+    for v in serving(found):
         held = v["programs_per_sm"]
         if v["kernel"] not in fewest or held < fewest[v["kernel"]][0]:
             fewest[v["kernel"]] = (held, v)

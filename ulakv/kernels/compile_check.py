@@ -93,7 +93,7 @@ def intercept_launches(arch: int, on_launch: OnLaunch) -> Iterator[None]:
 def drive_pool() -> None:
     """Every launch the pool makes, in each configuration the tool covers: two row widths (words
     and bytes), both policies, a striped rank's buffer, census and fetch bookkeeping, an engine-owned
-    pool's admission and release, and ``compact_slots``."""
+    pool's admission and release, ULAKV_DEBUG's apply, and ``compact_slots``."""
     import torch
 
     from ulakv import PBLRU, EntrySpec, ExactLRU, NewRows, Pool, PoolConfig, Tiered, compact_slots
@@ -148,6 +148,17 @@ def drive_pool() -> None:
         )  # fmt: skip
         exchange.route(selection, plan.scratch, slots, 40)
     exchange.merge_slots(fetched.local, slots, 41)
+    # ULAKV_DEBUG's apply, which claims every home its moves write (a state with the claims table;
+    # the debug switch itself would check each call's state, which nothing here runs).
+    debug = Pool(cfg)
+    debug.internals().state.home_claims = torch.zeros((1, 40 + 8 + 40 + 1), dtype=torch.int64)
+    seq = debug.admit(4)
+    debug.write(0, seq.addresses, torch.zeros((4, 656), dtype=torch.uint8))
+    debug.prepare(0, seq.addresses.reshape(1, 4))
+    new = debug.extend(seq, 2)
+    debug.prepare(
+        0, seq.addresses.reshape(1, 6), new=NewRows(0, new, torch.zeros((2, 656), dtype=torch.uint8))
+    )
     # Engine-owned addresses (both check variants, and release's checked one), then FlashInfer's layout.
     engine = Pool(cfg.replace(engine_addresses=64, page_size=64))
     locs = torch.tensor([9, 3, -1, 17])
@@ -184,7 +195,7 @@ class Variant:
         return self.resident_warps // self.warps
 
 
-_FLAGS = ("POLICY", "WRITE", "NEW", "CACHE", "ADMIT", "CHECKED")
+_FLAGS = ("POLICY", "WRITE", "NEW", "CACHE", "ADMIT", "CHECKED", "DEBUG")
 
 _PTX_WIDTHS = {"b8": 8, "b16": 16, "b32": 32, "b64": 64, "u8": 8, "u16": 16, "u32": 32, "u64": 64}
 
