@@ -363,6 +363,7 @@ def _commit_buckets(t, buckets_of, rnd, rnd_bucket):
     do_not_specialize_on_alignment=[
         "sel_ptr",
         "new_ptr",
+        "claims_ptr",  # (ULAKV_DEBUG: row g of [groups, G + C + 1] words, 8 or 16 B aligned by g)
         "map_ptr",
         "owner_ptr",
         "ver_ptr",
