@@ -21,9 +21,8 @@ BLOCK = 1024
 E_EPOCH = tl.constexpr(0)  # increments every call; tags claims and protection marks
 E_STATUS = tl.constexpr(1)  # status bits of the call in flight (OR-ed by programs)
 E_LAST_STATUS = tl.constexpr(2)  # final status of the last call (what validate mode reads)
-E_PENDING = tl.constexpr(
-    3
-)  # sticky OR of refused calls' status (inspection only: deferred.py raises from reports)
+# Sticky OR of refused calls' status: for inspection only (``deferred`` raises from the reports).
+E_PENDING = tl.constexpr(3)
 E_KFREE = tl.constexpr(4)  # misses served from free GPU slots this call
 E_VICTIMS = tl.constexpr(5)  # misses that got a GPU slot this call (free or evicted)
 E_PUSH_BASE = tl.constexpr(6)  # ring index where this call's swapped-in rows join the CPU free list
